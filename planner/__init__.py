@@ -1,0 +1,11 @@
+"""memsched's planner: the chain problem, the plan format and the simulator that judges plans."""
+
+from planner.chain import Chain, Loss, Stage, load_chain, save_chain
+from planner.errors import MemschedError
+from planner.plan import Op, Plan, Predicted, check_plan_matches, load_plan, save_plan
+from planner.simulator import ChainSimulator, ScheduleError, SimResult, simulate
+
+__all__ = [
+    "Chain", "Loss", "Stage", "load_chain", "save_chain", "MemschedError", "Op", "Plan", "Predicted",
+    "check_plan_matches", "load_plan", "save_plan", "ChainSimulator", "ScheduleError", "SimResult", "simulate",
+]

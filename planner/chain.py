@@ -1,0 +1,165 @@
+"""The chain problem: a sequence of stages trained by backpropagation.
+
+Stage ``i`` (0 <= i < L) maps activation ``a_i`` to ``a_{i+1}``; ``a_0`` is the
+input. Per stage, in seconds and bytes:
+
+* ``fwd_time`` / ``bwd_time``: duration of its forward / backward;
+* ``out_bytes``: size of ``a_{i+1}`` (and of its gradient ``δ_{i+1}``);
+* ``saved_bytes``: size of ``ā_{i+1}``, everything the stage keeps for its
+  backward when run with autograd, its output included (``>= out_bytes``);
+* ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward /
+  backward above the resident memory and the result it allocates (the output
+  for the forward; the input gradient and parameter gradients for the backward);
+* ``param_bytes``: parameter gradients, allocated by the backward and kept
+  until the step ends.
+
+The loss closes the chain: it reads ``a_L`` and produces ``δ_L`` in
+``loss.bwd_time`` seconds with ``loss.tmp_bytes`` transient bytes.
+
+The file format is ``memsched.chain/1`` (docs/formats.md).
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner import validate
+from planner.errors import MemschedError
+from planner.jsonio import read_json, write_json_atomic
+
+CHAIN_FORMAT = "memsched.chain/1"
+_STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes")
+_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss")
+_LOSS_FIELDS = ("bwd_time", "tmp_bytes")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the chain (seconds and bytes)."""
+
+    name: str
+    fwd_time: float
+    bwd_time: float
+    out_bytes: int
+    saved_bytes: int
+    fwd_tmp_bytes: int = 0
+    bwd_tmp_bytes: int = 0
+    param_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The loss at the end of the chain: its backward time and transient bytes."""
+
+    bwd_time: float = 0.0
+    tmp_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A validated chain problem. Build it with :meth:`from_dict` or :func:`load_chain`."""
+
+    name: str
+    device: str
+    input_bytes: int
+    stages: tuple
+    loss: Loss
+
+    @property
+    def length(self) -> int:
+        """Number of stages L."""
+        return len(self.stages)
+
+    @property
+    def compute_time(self) -> float:
+        """Seconds of one step without recomputation: every forward, every backward, the loss."""
+        return sum(s.fwd_time + s.bwd_time for s in self.stages) + self.loss.bwd_time
+
+    def act_bytes(self, i: int) -> int:
+        """Size of activation ``a_i`` (0 <= i <= L); ``a_0`` is the input."""
+        return self.input_bytes if i == 0 else self.stages[i - 1].out_bytes
+
+    def is_homogeneous(self) -> bool:
+        """True when every stage has the same times and sizes (the setting Revolve is optimal for)."""
+        first = self.stages[0]
+        return all(
+            (s.fwd_time, s.bwd_time, s.out_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes, s.param_bytes)
+            == (first.fwd_time, first.bwd_time, first.out_bytes, first.saved_bytes, first.fwd_tmp_bytes,
+                first.bwd_tmp_bytes, first.param_bytes)
+            for s in self.stages
+        )
+
+    def to_dict(self) -> dict:
+        """The ``memsched.chain/1`` JSON object."""
+        return {
+            "format": CHAIN_FORMAT,
+            "name": self.name,
+            "device": self.device,
+            "input_bytes": self.input_bytes,
+            "stages": [{field: getattr(s, field) for field in _STAGE_FIELDS} for s in self.stages],
+            "loss": {"bwd_time": self.loss.bwd_time, "tmp_bytes": self.loss.tmp_bytes},
+        }
+
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces): ties plans to this exact problem."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "chain") -> "Chain":
+        """Validate a ``memsched.chain/1`` object; a bad field raises a one-line :class:`MemschedError`."""
+        if not isinstance(data, dict):
+            raise MemschedError(f"{where}: expected a JSON object")
+        validate.format_tag(data, "chain", 1, where)
+        validate.reject_unknown(data, _CHAIN_FIELDS, where)
+        name = validate.text(data.get("name", "chain"), f"{where}: name")
+        device = validate.text(data.get("device", "unknown"), f"{where}: device")
+        input_bytes = validate.non_negative_bytes(validate.require(data, "input_bytes", where), f"{where}: input_bytes")
+        raw_stages = validate.require(data, "stages", where)
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise MemschedError(f"{where}: stages must be a non-empty list of stage objects")
+        stages = tuple(_stage_from_dict(raw, f"{where}: stages[{i}]", i) for i, raw in enumerate(raw_stages))
+        loss = _loss_from_dict(data.get("loss", {}), f"{where}: loss")
+        return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss)
+
+
+def _stage_from_dict(raw, where: str, index: int) -> Stage:
+    if not isinstance(raw, dict):
+        raise MemschedError(f"{where} must be an object with fields {', '.join(_STAGE_FIELDS)}")
+    validate.reject_unknown(raw, _STAGE_FIELDS, where)
+    name = validate.text(raw.get("name", f"stage{index}"), f"{where}.name")
+    where = f"{where} ({name})"
+    values = {"name": name}
+    for field in ("fwd_time", "bwd_time"):
+        values[field] = validate.non_negative_seconds(validate.require(raw, field, where), f"{where}.{field}")
+    for field in ("out_bytes", "saved_bytes"):
+        values[field] = validate.non_negative_bytes(validate.require(raw, field, where), f"{where}.{field}")
+    for field in ("fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes"):
+        values[field] = validate.non_negative_bytes(raw.get(field, 0), f"{where}.{field}")
+    if values["saved_bytes"] < values["out_bytes"]:
+        raise MemschedError(
+            f"{where}.saved_bytes = {values['saved_bytes']} is below out_bytes = {values['out_bytes']}; "
+            "saved_bytes includes the stage's output, so it must be >= out_bytes"
+        )
+    return Stage(**values)
+
+
+def _loss_from_dict(raw, where: str) -> Loss:
+    if not isinstance(raw, dict):
+        raise MemschedError(f"{where} must be an object with fields {', '.join(_LOSS_FIELDS)}")
+    validate.reject_unknown(raw, _LOSS_FIELDS, where)
+    return Loss(
+        bwd_time=validate.non_negative_seconds(raw.get("bwd_time", 0.0), f"{where}.bwd_time"),
+        tmp_bytes=validate.non_negative_bytes(raw.get("tmp_bytes", 0), f"{where}.tmp_bytes"),
+    )
+
+
+def load_chain(path) -> Chain:
+    """Read and validate a ``memsched.chain/1`` file."""
+    return Chain.from_dict(read_json(path), where=str(path))
+
+
+def save_chain(chain: Chain, path) -> None:
+    """Write ``chain`` atomically as ``memsched.chain/1``."""
+    write_json_atomic(Path(path), chain.to_dict())

@@ -1,0 +1,179 @@
+"""The plan: a schedule of operations and what the simulator predicts for it.
+
+Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON
+(docs/formats.md). The operations on a chain are those of Beaumont et al.,
+"Optimal checkpointing for heterogeneous chains" (arXiv 1911.13214):
+
+* ``F_all i``  forward of stage i with autograd; keeps ``ā_{i+1}`` for its backward;
+* ``F_ck i``   forward of stage i without autograd; keeps its input ``a_i``;
+* ``F_none i`` forward of stage i without autograd; frees its input ``a_i`` once used;
+* ``Loss``     the loss and its backward, producing ``δ_L``;
+* ``B i``      backward of stage i, producing ``δ_i``.
+"""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+from planner import validate
+from planner.chain import Chain
+from planner.errors import MemschedError
+from planner.jsonio import read_json, write_json_atomic
+
+PLAN_FORMAT = "memsched.plan/1"
+FORWARD_OPS = ("F_all", "F_ck", "F_none")
+OPS = FORWARD_OPS + ("Loss", "B")
+_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule")
+_PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
+
+
+class Op(NamedTuple):
+    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``)."""
+
+    kind: str
+    stage: Optional[int] = None
+
+    def __str__(self) -> str:
+        return self.kind if self.stage is None else f"{self.kind} {self.stage}"
+
+    def to_dict(self) -> dict:
+        return {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What the simulator predicts: peak bytes, step seconds, and the no-recomputation baseline."""
+
+    peak_bytes: int
+    time: float
+    baseline_time: float
+
+    @property
+    def overhead(self) -> float:
+        """Extra time relative to the baseline (0.15 = 15% slower)."""
+        return self.time / self.baseline_time - 1.0 if self.baseline_time > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A solved schedule for one problem, with the solver's identity and the simulator's prediction."""
+
+    problem_name: str
+    fingerprint: str
+    solver: str
+    budget_bytes: int
+    predicted: Predicted
+    schedule: tuple
+    params: dict = field(default_factory=dict)
+    solve_seconds: float = 0.0
+    optimal: bool = False
+    kind: str = "chain"
+
+    @property
+    def recomputed_forwards(self) -> int:
+        """Forward operations beyond one per stage."""
+        return sum(op.kind in FORWARD_OPS for op in self.schedule) - len({op.stage for op in self.schedule if op.kind in FORWARD_OPS})
+
+    def to_dict(self) -> dict:
+        """The ``memsched.plan/1`` JSON object."""
+        return {
+            "format": PLAN_FORMAT,
+            "kind": self.kind,
+            "problem": {"name": self.problem_name, "fingerprint": self.fingerprint},
+            "solver": {"name": self.solver, "params": dict(self.params), "solve_seconds": self.solve_seconds,
+                       "optimal": self.optimal},
+            "budget_bytes": self.budget_bytes,
+            "predicted": {"peak_bytes": self.predicted.peak_bytes, "time": self.predicted.time,
+                          "baseline_time": self.predicted.baseline_time, "overhead": self.predicted.overhead},
+            "schedule": [op.to_dict() for op in self.schedule],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
+        """Validate a ``memsched.plan/1`` object; a bad field raises a one-line :class:`MemschedError`."""
+        if not isinstance(data, dict):
+            raise MemschedError(f"{where}: expected a JSON object")
+        validate.format_tag(data, "plan", 1, where)
+        validate.reject_unknown(data, _PLAN_FIELDS, where)
+        kind = validate.require(data, "kind", where)
+        if kind != "chain":
+            raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched (it reads 'chain' plans)")
+        problem = _object(validate.require(data, "problem", where), f"{where}: problem")
+        solver = _object(validate.require(data, "solver", where), f"{where}: solver")
+        predicted = _object(validate.require(data, "predicted", where), f"{where}: predicted")
+        validate.reject_unknown(predicted, _PREDICTED_FIELDS, f"{where}: predicted")
+        params = solver.get("params", {})
+        if not isinstance(params, dict):
+            raise MemschedError(f"{where}: solver.params must be an object")
+        optimal = solver.get("optimal", False)
+        if not isinstance(optimal, bool):
+            raise MemschedError(f"{where}: solver.optimal must be true or false")
+        return cls(
+            kind=kind,
+            problem_name=validate.text(validate.require(problem, "name", f"{where}: problem"), f"{where}: problem.name"),
+            fingerprint=validate.text(validate.require(problem, "fingerprint", f"{where}: problem"),
+                                      f"{where}: problem.fingerprint"),
+            solver=validate.text(validate.require(solver, "name", f"{where}: solver"), f"{where}: solver.name"),
+            params=params,
+            solve_seconds=validate.non_negative_seconds(solver.get("solve_seconds", 0.0), f"{where}: solver.solve_seconds"),
+            optimal=optimal,
+            budget_bytes=validate.non_negative_bytes(validate.require(data, "budget_bytes", where), f"{where}: budget_bytes"),
+            predicted=Predicted(
+                peak_bytes=validate.non_negative_bytes(validate.require(predicted, "peak_bytes", f"{where}: predicted"),
+                                                       f"{where}: predicted.peak_bytes"),
+                time=validate.non_negative_seconds(validate.require(predicted, "time", f"{where}: predicted"),
+                                                   f"{where}: predicted.time"),
+                baseline_time=validate.non_negative_seconds(
+                    validate.require(predicted, "baseline_time", f"{where}: predicted"), f"{where}: predicted.baseline_time"),
+            ),
+            schedule=_schedule_from_list(validate.require(data, "schedule", where), f"{where}: schedule"),
+        )
+
+
+def _object(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise MemschedError(f"{where} must be a JSON object")
+    return value
+
+
+def _schedule_from_list(raw, where: str) -> tuple:
+    if not isinstance(raw, list) or not raw:
+        raise MemschedError(f"{where} must be a non-empty list of operations")
+    ops = []
+    for index, item in enumerate(raw):
+        here = f"{where}[{index}]"
+        if not isinstance(item, dict):
+            raise MemschedError(f"{here} must be an object like {{\"op\": \"B\", \"stage\": 3}}")
+        validate.reject_unknown(item, ("op", "stage"), here)
+        kind = validate.require(item, "op", here)
+        if kind not in OPS:
+            raise MemschedError(f"{here}: unknown op {kind!r}; expected one of {', '.join(OPS)}")
+        if kind == "Loss":
+            if item.get("stage") is not None:
+                raise MemschedError(f"{here}: Loss takes no stage")
+            ops.append(Op("Loss"))
+            continue
+        stage = validate.require(item, "stage", here)
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+            raise MemschedError(f"{here}: stage must be a non-negative integer, got {stage!r}")
+        ops.append(Op(kind, stage))
+    return tuple(ops)
+
+
+def check_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
+    """Refuse to use ``plan`` on a chain other than the one it was solved for."""
+    actual = chain.fingerprint()
+    if plan.fingerprint != actual:
+        raise MemschedError(
+            f"{plan_where} was solved for chain '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
+            f"not for chain '{chain.name}' ({actual[:19]}…); solve again for this chain"
+        )
+
+
+def load_plan(path) -> Plan:
+    """Read and validate a ``memsched.plan/1`` file."""
+    return Plan.from_dict(read_json(path), where=str(path))
+
+
+def save_plan(plan: Plan, path) -> None:
+    """Write ``plan`` atomically as ``memsched.plan/1``."""
+    write_json_atomic(path, plan.to_dict())

@@ -1,0 +1,43 @@
+"""Byte quantities written by people: ``4GiB``, ``512MB``, ``123456789``, ``50%``."""
+
+import math
+import re
+
+from planner.errors import MemschedError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
+
+
+def parse_budget(text: str, reference_bytes: int = None, what: str = "budget") -> int:
+    """Bytes from ``text``; a percentage is taken of ``reference_bytes`` (the store-all peak), rounded down."""
+    match = _QUANTITY.match(str(text))
+    if not match:
+        raise MemschedError(f"{what}: cannot read {text!r}; write bytes like 123456789, 4GiB, 512MB, or a percentage like 50%")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "%":
+        if reference_bytes is None:
+            raise MemschedError(f"{what}: a percentage needs a chain to take it of; give bytes instead")
+        value = number / 100.0 * reference_bytes
+    else:
+        factor = _UNITS.get(unit.lower())
+        if factor is None:
+            raise MemschedError(f"{what}: unknown unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
+        value = number * factor
+    if not math.isfinite(value) or value <= 0:
+        raise MemschedError(f"{what}: {text!r} must be a positive amount of memory")
+    return int(value)
+
+
+def format_bytes(count: int) -> str:
+    """A short human form with binary units: ``315.7 MiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,1 @@
+"""Profiling models into memsched problems (measured chains and graphs)."""

@@ -1,0 +1,85 @@
+"""Revolve: Griewank & Walther binomial checkpointing for homogeneous chains.
+
+With ``s`` snapshot slots (the input's included) the stages are reversed
+recursively: advance ``m`` stages from the current snapshot without autograd
+(``F_ck`` then ``F_none``), store the state reached in a free slot, reverse the
+remaining ``l - m`` stages with one slot fewer, then reverse the first ``m``
+with the same slots. A single stage is reversed as ``F_all`` then its backward.
+``m`` minimises the number of advances
+
+    T(l, s) = min_m  m + T(l - m, s - 1) + T(m, s),   T(1, s) = 0,  T(l >= 2, 0) = ∞,
+
+which equals Griewank's closed form r·l − β(s+1, r−1) (checked by the tests).
+On a homogeneous chain fewer advances is less time, so the schedule is
+time-optimal among those keeping ``s`` snapshots and taping one stage at a time.
+Given a budget, the solver takes the most snapshots whose simulated peak fits.
+"""
+
+from functools import lru_cache
+
+import numpy as np
+
+from planner.chain import Chain
+from planner.errors import MemschedError
+from planner.plan import Op
+from planner.simulator import ChainSimulator
+from solvers.result import Solution
+
+
+@lru_cache(maxsize=8)
+def advance_table(max_length: int, max_snapshots: int):
+    """``(cost, split)``: ``cost[s, l]`` = minimal advances T(l, s); ``split[s, l]`` = the best first advance m."""
+    cost = np.full((max_snapshots + 1, max_length + 1), np.inf)
+    split = np.zeros((max_snapshots + 1, max_length + 1), dtype=np.int64)
+    cost[:, 1] = 0
+    for s in range(1, max_snapshots + 1):
+        for length in range(2, max_length + 1):
+            m = np.arange(1, length)
+            totals = m + cost[s - 1, length - m] + cost[s, m]
+            best = int(np.argmin(totals))
+            cost[s, length], split[s, length] = totals[best], best + 1
+    cost.setflags(write=False)
+    split.setflags(write=False)
+    return cost, split
+
+
+def revolve_schedule(length: int, snapshots: int) -> tuple:
+    """The binomial schedule reversing ``length`` stages with ``snapshots`` slots (1 <= snapshots <= length)."""
+    _, split = advance_table(length, snapshots)
+    ops = []
+    tasks = [(0, length, snapshots)]  # reverse stages start..start+count-1 holding `slots` snapshots
+    while tasks:
+        start, count, slots = tasks.pop()
+        if count == 1:
+            ops.append(Op("F_all", start))
+            if start == length - 1:
+                ops.append(Op("Loss"))
+            ops.append(Op("B", start))
+            continue
+        m = int(split[slots, count])
+        ops.append(Op("F_ck", start))
+        ops.extend(Op("F_none", k) for k in range(start + 1, start + m))
+        # Last in, first out: the far part is reversed first, then the near part.
+        tasks.append((start, m, slots))
+        tasks.append((start + m, count - m, slots - 1))
+    return tuple(ops)
+
+
+def revolve(chain: Chain, budget: int, snapshots: int = None) -> Solution:
+    """Binomial checkpointing with ``snapshots`` slots, or with the most slots whose simulated peak fits ``budget``."""
+    length = chain.length
+    if snapshots is not None:
+        if not 1 <= snapshots <= length:
+            raise MemschedError(f"revolve: snapshots must be between 1 and {length} for this chain, got {snapshots}")
+        return Solution(revolve_schedule(length, snapshots), params={"snapshots": snapshots})
+    simulator = ChainSimulator(chain)
+    low, high = 1, length  # the peak grows with the snapshot count: find the largest that fits
+    if simulator.run(revolve_schedule(length, low)).peak_bytes > budget:
+        return Solution(revolve_schedule(length, low), params={"snapshots": low})
+    while low < high:
+        middle = (low + high + 1) // 2
+        if simulator.run(revolve_schedule(length, middle)).peak_bytes <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return Solution(revolve_schedule(length, low), params={"snapshots": low})

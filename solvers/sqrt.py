@@ -1,0 +1,63 @@
+"""Chen et al. 2016, "Training deep nets with sublinear memory cost": √n segments.
+
+The chain is cut into ``k`` contiguous segments of near-equal length. The
+forward keeps only each segment's input (``F_ck`` then ``F_none``); the last
+segment runs with autograd straight away. Backward goes segment by segment from
+the end, recomputing each earlier segment with ``F_all`` before its backwards.
+With ``k = round(√L)`` this is the classic O(√L) memory schedule; the
+budget-aware form tries every ``k`` and keeps the fastest that fits.
+"""
+
+import math
+
+from planner.chain import Chain
+from planner.plan import Op
+from planner.simulator import ChainSimulator
+from planner.errors import MemschedError
+from solvers.result import Solution
+
+
+def segment_bounds(length: int, segments: int) -> list:
+    """Start indices of ``segments`` near-equal segments, plus ``length`` at the end."""
+    base, extra = divmod(length, segments)
+    bounds = [0]
+    for c in range(segments):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return bounds
+
+
+def segments_schedule(length: int, segments: int) -> tuple:
+    """The Chen schedule with ``segments`` segments (1 = store all, ``length`` = one checkpoint per stage)."""
+    bounds = segment_bounds(length, segments)
+    ops = []
+    for start, end in zip(bounds[:-2], bounds[1:-1]):
+        ops.append(Op("F_ck", start))
+        ops.extend(Op("F_none", k) for k in range(start + 1, end))
+    last_start = bounds[-2]
+    ops.extend(Op("F_all", k) for k in range(last_start, length))
+    ops.append(Op("Loss"))
+    ops.extend(Op("B", k) for k in reversed(range(last_start, length)))
+    for start, end in reversed(list(zip(bounds[:-2], bounds[1:-1]))):
+        ops.extend(Op("F_all", k) for k in range(start, end))
+        ops.extend(Op("B", k) for k in reversed(range(start, end)))
+    return tuple(ops)
+
+
+def sqrt(chain: Chain, budget: int, segments: int = None) -> Solution:
+    """Chen's segments: ``segments`` if given, else the fastest segment count whose peak fits ``budget``."""
+    length = chain.length
+    if segments is not None:
+        if not 1 <= segments <= length:
+            raise MemschedError(f"sqrt: segments must be between 1 and {length} for this chain, got {segments}")
+        return Solution(segments_schedule(length, segments), params={"segments": segments})
+    simulator = ChainSimulator(chain)
+    best = None
+    for count in range(1, length + 1):
+        schedule = segments_schedule(length, count)
+        result = simulator.run(schedule)
+        if result.peak_bytes <= budget and (best is None or result.time < best[0]):
+            best = (result.time, count, schedule)
+    if best is None:
+        classic = max(1, round(math.sqrt(length)))
+        return Solution(segments_schedule(length, classic), params={"segments": classic})
+    return Solution(best[2], params={"segments": best[1]})
