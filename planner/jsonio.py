@@ -36,7 +36,13 @@ def write_json_atomic(path, data: dict) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise MemschedError(f"{path}: folder {folder} does not exist; create it or choose another output path")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise MemschedError(f"{path}: cannot write in {folder} ({exc.strerror}); choose another output path") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=1)

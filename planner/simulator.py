@@ -15,7 +15,8 @@ Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
 
 * ``F_all i`` needs ``a_i``; peak = resident + x̄ + fwd_tmp; then ``ā_{i+1}`` is resident.
 * ``F_ck i`` needs ``a_i``; peak = resident + x + fwd_tmp; then ``a_{i+1}`` is resident.
-* ``F_none i`` as ``F_ck i``, then frees ``a_i`` if it was held standalone (never the input).
+* ``F_none i`` as ``F_ck i``, then frees ``a_i`` if it was held standalone (never the input,
+  never a checkpoint: see below).
 * ``Loss`` needs ``a_L``; peak = resident + size(δ_L) + loss.tmp_bytes; produces ``δ_L``.
 * ``B i`` needs ``ā_{i+1}``, ``δ_{i+1}`` and ``a_i``; peak = resident + size(δ_i) +
   param_bytes + bwd_tmp; frees ``ā_{i+1}`` and ``δ_{i+1}``, keeps the parameter
@@ -24,7 +25,9 @@ Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
 Once ``δ_i`` exists, a standalone checkpoint ``a_i`` is released (so ``δ_i``
 takes its place); an ``a_i`` inside ``ā_i`` stays until ``B i-1`` frees ``ā_i``,
 and the input is never released. This is the model of the published Rotor
-implementation. Times add up: the step time is the sum of the scheduled
+implementation, and its class of *persistent* schedules: an activation kept by
+``F_ck`` is a checkpoint and stays until the backward that produces its
+gradient, so a later ``F_none`` may not release it. Times add up: the step time is the sum of the scheduled
 operations' times.
 """
 
@@ -43,7 +46,8 @@ class ScheduleError(MemschedError):
 class State(NamedTuple):
     """What is resident between two operations, as bit masks over activation indices 0..L."""
 
-    standalone: int  # a_i held as a checkpoint (bit 0: the input, always)
+    standalone: int  # a_i held on its own (bit 0: the input, always)
+    checkpoint: int  # standalone a_i kept by F_ck i: released only by its backward
     abar: int  # ā_i held (made by F_all i-1)
     grad: int  # δ_i held
     done: int  # bit i: backward of stage i done; bit L: loss done
@@ -82,7 +86,7 @@ class ChainSimulator:
 
     def initial_state(self) -> State:
         """Only the input is resident."""
-        return State(standalone=1, abar=0, grad=0, done=0, memory=self.act[0])
+        return State(standalone=1, checkpoint=1, abar=0, grad=0, done=0, memory=self.act[0])
 
     def is_complete(self, state: State) -> bool:
         """True once the loss and every backward have run."""
@@ -130,7 +134,12 @@ class ChainSimulator:
             raise ValueError(f"a_{i + 1} is already in memory")
         peak = state.memory + stage.out_bytes + stage.fwd_tmp_bytes
         new = state._replace(standalone=state.standalone | out, memory=state.memory + stage.out_bytes)
-        if op.kind == "F_none" and i > 0 and new.standalone >> i & 1:
+        held_alone = state.standalone >> i & 1
+        if op.kind == "F_ck" and held_alone:
+            new = new._replace(checkpoint=new.checkpoint | 1 << i)
+        elif op.kind == "F_none" and held_alone:
+            if state.checkpoint >> i & 1:
+                raise ValueError(f"a_{i} is a checkpoint (kept by F_ck {i}); only the backward of stage {i} releases it")
             new = new._replace(standalone=new.standalone & ~(1 << i), memory=new.memory - self.act[i])
         return new, peak, stage.fwd_time
 
@@ -142,11 +151,12 @@ class ChainSimulator:
         """Mark step ``i`` done and hold ``δ_i``, releasing ``a_i`` if it is a standalone checkpoint."""
         bit = 1 << i
         if i > 0 and state.standalone & bit:
-            standalone = state.standalone & ~bit
+            standalone, checkpoint = state.standalone & ~bit, state.checkpoint & ~bit
         else:
-            standalone = state.standalone
+            standalone, checkpoint = state.standalone, state.checkpoint
             memory += self.act[i]
-        return State(standalone=standalone, abar=state.abar, grad=state.grad | bit, done=state.done | bit, memory=memory)
+        return State(standalone=standalone, checkpoint=checkpoint, abar=state.abar, grad=state.grad | bit,
+                     done=state.done | bit, memory=memory)
 
     def run(self, schedule) -> SimResult:
         """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation."""

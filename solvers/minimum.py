@@ -7,33 +7,54 @@ the parameter gradients of stages after ``e``, that processing stages
 exact; budgets below it have no schedule at all.
 """
 
+import numba
 import numpy as np
 
 from planner.chain import Chain
-from solvers.rotor_model import rotor_arrays
+from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
-def minimum_budget(chain: Chain) -> int:
-    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included)."""
-    a = rotor_arrays(chain)
-    length = chain.length
-    x, xbar, fwd_tmp, prefix = a.x, a.xbar, a.fwd_tmp, a.param_prefix
-    backward_need = x[:-1] + x[1:] + xbar[1:] + a.params + a.bwd_tmp  # B i (or the loss): δ_i, δ_{i+1}, ā_{i+1}
-    forward_step = np.concatenate([x[:-2] + x[1:-1] + fwd_tmp[:-1], [0]])  # a_k, a_{k+1} and F k's temporaries
+@numba.njit(cache=True)
+def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
+    """``(need, choice)`` over sub-chains ``i..e``: least bytes and the choice (CHAIN or leaf j) that achieves it."""
+    length = len(params) - 1
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
+    choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
     for i in range(length + 1):
-        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], backward_need[i])
+        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
     for span in range(1, length + 1):
         for i in range(length + 1 - span):
             end = i + span
             held = x[end + 1]
-            chain_option = max(held + xbar[i + 1] + fwd_tmp[i], xbar[i + 1] + need[i + 1, end],
-                               backward_need[i] + prefix[end + 1] - prefix[i + 1])
-            js = np.arange(i + 1, end + 1)
-            # Forwards from a_i up to a_j: F_ck i, then F_none k for i < k < j.
-            first = x[i + 1] + fwd_tmp[i]
-            forwards = held + np.maximum.accumulate(np.concatenate([[first], forward_step[i + 1:end]]))
-            leaf_options = np.maximum.reduce([forwards, x[js] + need[js, end],
-                                              prefix[end + 1] - prefix[js] + need[i, js - 1]])
-            need[i, end] = min(chain_option, int(leaf_options.min()))
-    return int(x[0] + need[0, length])
+            forwards = held + x[i + 1] + fwd_tmp[i]  # F_ck i, then F_none k for i < k < j, with δ_{e+1} held
+            best, best_choice = np.iinfo(np.int64).max, CHAIN
+            for j in range(i + 1, end + 1):
+                if j > i + 1:
+                    forwards = max(forwards, held + x[j - 1] + x[j] + fwd_tmp[j - 1])
+                later_params = param_prefix[end + 1] - param_prefix[j]
+                leaf = max(forwards, x[j] + need[j, end], later_params + need[i, j - 1])
+                if leaf < best:
+                    best, best_choice = leaf, j
+            chain = max(held + xbar[i + 1] + fwd_tmp[i], xbar[i + 1] + need[i + 1, end],
+                        x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+            if chain < best:
+                best, best_choice = chain, CHAIN
+            need[i, end], choice[i, end] = best, best_choice
+    return need, choice
+
+
+def _table(chain: Chain):
+    a = rotor_arrays(chain)
+    return a, *_least_memory_table(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.params, a.param_prefix)
+
+
+def minimum_budget(chain: Chain) -> int:
+    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included)."""
+    arrays, need, _ = _table(chain)
+    return int(arrays.x[0] + need[0, chain.length])
+
+
+def least_memory_schedule(chain: Chain) -> tuple:
+    """A schedule whose peak is :func:`minimum_budget` (the slowest useful one, usually)."""
+    arrays, _, choice = _table(chain)
+    return build_schedule(arrays, lambda i, end, m: choice[i, end], 0)

@@ -25,93 +25,104 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import Op
+from planner.simulator import ChainSimulator
+from solvers.extremes import store_all_schedule
+from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
-from solvers.rotor_model import RotorArrays, rotor_arrays
+from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 
-CHAIN = 0  # `what` code for the chain choice; a positive code j is a leaf at j; -1 infeasible
 DEFAULT_SLOTS = 500
 
 
+@numba.njit(cache=True, inline="always")
+def _relax(best, low, high, step, right, right_shift, left, left_shift):
+    """``best[m] = min(best[m], step + right[m - right_shift] + left[m - left_shift])`` for ``low <= m < high``."""
+    target = best[low:high]
+    first = right[low - right_shift:high - right_shift]
+    second = left[low - left_shift:high - left_shift]
+    for k in range(high - low):  # slices and a counter from 0: no negative-index checks in the hot loop
+        cost = step + first[k] + second[k]
+        if cost < target[k]:
+            target[k] = cost
+
+
 @numba.njit(cache=True, parallel=True)
-def _fill_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, fwd_time, bwd_time, opt, what):
+def _fill_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, fwd_time, bwd_time, opt):
+    """Fill ``opt[i, e, :]`` for every ``i <= e`` (entries with ``i > e`` are left untouched)."""
     length = len(fwd_time) - 1
     top = opt.shape[2] - 1
+    zeros = np.zeros(top + 1)
     for i in numba.prange(length + 1):
         low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
-        for m in range(low, top + 1):
-            opt[i, i, m] = fwd_time[i] + bwd_time[i]
-            what[i, i, m] = CHAIN
+        row = opt[i, i]
+        for m in range(top + 1):
+            row[m] = fwd_time[i] + bwd_time[i] if m >= low else np.inf
     for span in range(1, length + 1):
         for i in numba.prange(length + 1 - span):
             end = i + span
-            held = x[end + 1]
-            mmin = held + x[i + 1] + fwd_tmp[i]
-            for k in range(i + 1, end):
-                mmin = max(mmin, held + x[k] + x[k + 1] + fwd_tmp[k])
-            if mmin > top:
-                continue
-            row = opt[i, end]
-            choice = what[i, end]
-            advance = 0.0
-            for j in range(i + 1, end + 1):
-                advance += fwd_time[j - 1]
-                later_params = param_prefix[end + 1] - param_prefix[j]
-                right = opt[j, end]
-                left = opt[i, j - 1]
-                for m in range(max(mmin, x[j], later_params), top + 1):
-                    cost = advance + right[m - x[j]] + left[m - later_params]
-                    if cost < row[m]:
-                        row[m] = cost
-                        choice[m] = j
-            inner_params = param_prefix[end + 1] - param_prefix[i + 1]
-            low = max(mmin, xbar[i + 1], held + xbar[i + 1] + fwd_tmp[i],
-                      x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i] + inner_params)
-            sub = opt[i + 1, end]
-            step = fwd_time[i] + bwd_time[i]
-            for m in range(low, top + 1):
-                cost = step + sub[m - xbar[i + 1]]
-                if cost < row[m]:
-                    row[m] = cost
-                    choice[m] = CHAIN
+            best = np.full(top + 1, np.inf)
+            mmin = _forward_need(x, fwd_tmp, i, end)
+            if mmin <= top:
+                advance = 0.0
+                for j in range(i + 1, end + 1):  # leaf j: advance to a_j, solve j..e, then i..j-1
+                    advance += fwd_time[j - 1]
+                    later_params = param_prefix[end + 1] - param_prefix[j]
+                    low = max(mmin, x[j], later_params)
+                    if low <= top:
+                        _relax(best, low, top + 1, advance, opt[j, end], x[j], opt[i, j - 1], later_params)
+                low = max(mmin, _chain_need(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, i, end))
+                if low <= top:  # chain: F_all i, solve i+1..e, B i
+                    _relax(best, low, top + 1, fwd_time[i] + bwd_time[i], opt[i + 1, end], xbar[i + 1], zeros, 0)
+            opt[i, end, :] = best
 
 
-def compute_table(arrays: RotorArrays, top: int):
-    """``(opt, what)`` of shape (L+1, L+1, top+1): least seconds and the choice, for every sub-chain and memory."""
+@numba.njit(cache=True)
+def _forward_need(x, fwd_tmp, i, end):
+    """Units every schedule of ``i..e`` needs to run the forwards of stages ``i..e-1`` with ``δ_{e+1}`` held."""
+    need = x[end + 1] + x[i + 1] + fwd_tmp[i]
+    for k in range(i + 1, end):
+        need = max(need, x[end + 1] + x[k] + x[k + 1] + fwd_tmp[k])
+    return need
+
+
+@numba.njit(cache=True)
+def _chain_need(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, i, end):
+    """Units the *chain* choice needs for ``F_all i`` (δ_{e+1} held) and for ``B i`` (gradients of i+1..e held)."""
+    return max(xbar[i + 1], x[end + 1] + xbar[i + 1] + fwd_tmp[i],
+               x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+
+
+def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
+    """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
     size = arrays.length + 1
-    opt = np.full((size, size, top + 1), np.inf)
-    what = np.full((size, size, top + 1), -1, dtype=np.int32)
+    opt = np.empty((size, size, top + 1))
     _fill_table(arrays.x, arrays.xbar, arrays.fwd_tmp, arrays.bwd_tmp, arrays.params, arrays.param_prefix,
-                arrays.fwd_time, arrays.bwd_time, opt, what)
-    return opt, what
+                arrays.fwd_time, arrays.bwd_time, opt)
+    return opt
 
 
-def backtrack(arrays: RotorArrays, what: np.ndarray, top: int) -> tuple:
-    """The schedule behind ``opt[0, L, top]``, rebuilt from the choices."""
-    length = arrays.length
-    ops = []
-    tasks = [("solve", 0, length, top)]  # worked through last in, first out
-    while tasks:
-        task = tasks.pop()
-        if task[0] == "op":
-            ops.append(task[1])
-            continue
-        _, i, end, m = task
-        if i == end:
-            ops.extend([Op("Loss")] if i == length else [Op("F_all", i), Op("B", i)])
-            continue
-        choice = int(what[i, end, m])
-        if choice == CHAIN:
-            ops.append(Op("F_all", i))
-            tasks.append(("op", Op("B", i)))
-            tasks.append(("solve", i + 1, end, m - int(arrays.xbar[i + 1])))
-        else:
-            ops.append(Op("F_ck", i))
-            ops.extend(Op("F_none", k) for k in range(i + 1, choice))
-            later_params = int(arrays.param_prefix[end + 1] - arrays.param_prefix[choice])
-            tasks.append(("solve", i, choice - 1, m - later_params))
-            tasks.append(("solve", choice, end, m - int(arrays.x[choice])))
-    return tuple(ops)
+def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) -> int:
+    """The choice behind ``opt[i, e, m]`` (CHAIN or a leaf j), recomputed with the kernel's arithmetic.
+
+    Only the O(L) sub-chains on the optimal path are asked, so the table need
+    not store choices. Ties go to a leaf, and to the first j among leaves.
+    """
+    a = arrays
+    best, choice = np.inf, -1
+    if m >= _forward_need(a.x, a.fwd_tmp, i, end):
+        advance = 0.0
+        for j in range(i + 1, end + 1):
+            advance += a.fwd_time[j - 1]
+            later_params = int(a.param_prefix[end + 1] - a.param_prefix[j])
+            if m >= a.x[j] and m >= later_params:
+                cost = advance + opt[j, end, m - a.x[j]] + opt[i, j - 1, m - later_params]
+                if cost < best:
+                    best, choice = cost, j
+        if m >= _chain_need(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.params, a.param_prefix, i, end):
+            cost = (a.fwd_time[i] + a.bwd_time[i]) + opt[i + 1, end, m - a.xbar[i + 1]]
+            if cost < best:
+                best, choice = cost, CHAIN
+    return choice
 
 
 def discretise(chain: Chain, budget: int, slots: int):
@@ -124,13 +135,26 @@ def discretise(chain: Chain, budget: int, slots: int):
 
 
 def rotor(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Solution:
-    """The fastest schedule whose peak fits ``budget`` at ``slots`` discretisation."""
+    """The fastest schedule whose peak fits ``budget`` at ``slots`` discretisation.
+
+    Rounding sizes up can hide schedules that fit in exact bytes at the two
+    ends of the budget range, so both ends are checked in bytes first: when
+    storing everything fits, that is the optimum; when the discretised table
+    has no schedule, the least-memory schedule is returned if it fits (not
+    marked optimal).
+    """
+    params = {"slots": slots}
+    simulator = ChainSimulator(chain)
+    store_all = store_all_schedule(chain.length)
+    if simulator.run(store_all).peak_bytes <= budget:
+        return Solution(store_all, params=params, optimal=True)
     unit, arrays, top = discretise(chain, budget, slots)
     if top >= 0:
-        opt, what = compute_table(arrays, top)
+        opt = compute_table(arrays, top)
         if np.isfinite(opt[0, chain.length, top]):
-            return Solution(backtrack(arrays, what, top), params={"slots": slots, "unit_bytes": unit}, optimal=True)
-    raise MemschedError(
-        f"rotor: no schedule fits {budget} bytes once sizes are rounded up to {unit}-byte units "
-        f"({slots} slots); raise --slots or the budget"
-    )
+            schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
+            return Solution(schedule, params=params, optimal=True)
+    least = least_memory_schedule(chain)
+    if simulator.run(least).peak_bytes <= budget:
+        return Solution(least, params=params, optimal=False)
+    raise MemschedError(f"rotor: no schedule fits {budget} bytes; the least memory any schedule needs is above it")

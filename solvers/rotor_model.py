@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.chain import Chain
+from planner.plan import Op
+
+CHAIN = 0  # choice code: F_all i then the rest; a positive code j is a leaf (advance to a_j); -1 none
 
 
 @dataclass(frozen=True)
@@ -48,3 +51,37 @@ def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
         fwd_time=np.array([s.fwd_time for s in stages] + [0.0]),
         bwd_time=np.array([s.bwd_time for s in stages] + [chain.loss.bwd_time]),
     )
+
+
+def build_schedule(arrays: RotorArrays, choose, top: int) -> tuple:
+    """The schedule that ``choose(i, end, m) -> CHAIN | j`` describes for the whole chain from ``top`` units.
+
+    Sub-chain ``i..end`` with ``m`` units: *chain* is ``F_all i``, then
+    ``i+1..end`` in ``m − x̄_{i+1}``, then ``B i``; *leaf j* is ``F_ck i``,
+    ``F_none i+1..j−1``, then ``j..end`` in ``m − x_j``, then ``i..j−1`` in
+    ``m`` minus the parameter gradients of ``j..end``.
+    """
+    length = arrays.length
+    ops = []
+    tasks = [(0, length, top)]  # worked through last in, first out; an Op is emitted as it is popped
+    while tasks:
+        task = tasks.pop()
+        if isinstance(task, Op):
+            ops.append(task)
+            continue
+        i, end, m = task
+        if i == end:
+            ops.extend([Op("Loss")] if i == length else [Op("F_all", i), Op("B", i)])
+            continue
+        choice = int(choose(i, end, m))
+        if choice == CHAIN:
+            ops.append(Op("F_all", i))
+            tasks.append(Op("B", i))
+            tasks.append((i + 1, end, m - int(arrays.xbar[i + 1])))
+        else:
+            ops.append(Op("F_ck", i))
+            ops.extend(Op("F_none", k) for k in range(i + 1, choice))
+            later_params = int(arrays.param_prefix[end + 1] - arrays.param_prefix[choice])
+            tasks.append((i, choice - 1, m - later_params))
+            tasks.append((choice, end, m - int(arrays.x[choice])))
+    return tuple(ops)

@@ -1,0 +1,140 @@
+"""The ``memsched`` command line: ``solve``, ``show`` and ``pareto``.
+
+Argument parsing and printing only: the work is done by planner/ and
+solvers/, the text by planner/render.py and the PNGs by planner/plot.py.
+An expected error (:class:`planner.errors.MemschedError`) is printed as one
+line, ``memsched: error: <message>``, with exit status 2; so are usage errors.
+"""
+
+import argparse
+import sys
+
+import solvers
+from planner import check_plan_matches, load_chain, load_plan, render, save_plan, simulate
+from planner.errors import MemschedError
+from planner.plot import plot_pareto, plot_timeline
+from planner.units import parse_budget
+from solvers.minimum import minimum_budget
+
+PARETO_SOLVERS = ("rotor", "sqrt", "store_all")
+
+
+def main(argv=None) -> int:
+    """Run the command line on ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the usage error (status 2) or the help (status 0)
+        return exc.code
+    try:
+        args.command(args)
+    except MemschedError as exc:
+        print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
+        return 2
+    return 0
+
+
+def _at_least(minimum: int):
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return count
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
+    commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
+
+    solve = commands.add_parser("solve", help="find a schedule that fits a memory budget",
+                                description="Find the fastest schedule of a chain within a memory budget.")
+    solve.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
+    solve.add_argument("--budget", required=True, metavar="B",
+                       help="memory budget: bytes (123456789), a unit (4GiB, 512MB) or a percentage of the "
+                            "store-all peak (50%%)")
+    solve.add_argument("--solver", default="auto", metavar="NAME",
+                       help=f"one of {', '.join(solvers.SOLVER_NAMES)} (default: auto)")
+    solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
+    solve.add_argument("--segments", type=_at_least(1), metavar="N", help="sqrt: number of segments")
+    solve.add_argument("--snapshots", type=_at_least(1), metavar="N", help="revolve: snapshot slots")
+    solve.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (memsched.plan/1)")
+    solve.set_defaults(command=_solve)
+
+    show = commands.add_parser("show", help="print a plan, and its memory timeline given the chain",
+                               description="Print a plan; with --chain, re-simulate it and draw its memory timeline.")
+    show.add_argument("plan", metavar="PLAN.json", help="plan (memsched.plan/1)")
+    show.add_argument("--chain", metavar="CHAIN.json", help="the chain the plan was solved for")
+    show.add_argument("--plot", metavar="timeline.png", help="save the memory timeline as a PNG (needs --chain)")
+    show.set_defaults(command=_show)
+
+    pareto = commands.add_parser("pareto", help="overhead against budget for rotor, sqrt and store_all",
+                                 description="Step-time overhead against memory budget, from the minimum feasible "
+                                             "budget to the store-all peak, for rotor, sqrt and store_all.")
+    pareto.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
+    pareto.add_argument("--points", type=_at_least(2), default=12, metavar="N",
+                        help="number of evenly spaced budgets (default: 12)")
+    pareto.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
+    pareto.add_argument("--plot", metavar="pareto.png", help="save overhead against budget as a PNG")
+    pareto.set_defaults(command=_pareto)
+    return parser
+
+
+def _solve(args) -> None:
+    chain = load_chain(args.chain)
+    budget = parse_budget(args.budget, solvers.store_all_peak(chain))
+    plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments, snapshots=args.snapshots)
+    lines = render.solve_summary(plan, args.solver)
+    if args.output:
+        save_plan(plan, args.output)
+        lines.append(f"plan written to {args.output}")
+    print("\n".join(lines))
+
+
+def _show(args) -> None:
+    if args.plot and not args.chain:
+        raise MemschedError("--plot draws the memory timeline, which needs the chain: add --chain CHAIN.json")
+    plan = load_plan(args.plan)
+    lines = render.plan_header(plan) + ["  " + line for line in render.compact_schedule(plan.schedule, width=76).splitlines()]
+    if args.chain:
+        chain = load_chain(args.chain)
+        check_plan_matches(plan, chain, plan_where=args.plan)
+        result = simulate(chain, plan)
+        lines += [""] + render.simulation_lines(plan, result) + [""] + render.ascii_timeline(result, plan.budget_bytes)
+        if args.plot:
+            plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
+            lines.append(f"timeline plot written to {args.plot}")
+    print("\n".join(lines))
+
+
+def _pareto(args) -> None:
+    chain = load_chain(args.chain)
+    low, high = minimum_budget(chain), solvers.store_all_peak(chain)
+    rows = []
+    for k in range(args.points):
+        budget = low + (high - low) * k // (args.points - 1)
+        rows.append((budget, {name: _overhead(chain, budget, name, args.slots) for name in PARETO_SOLVERS}))
+    lines = [
+        f"chain {chain.name}: step-time overhead over no recomputation ({render.format_seconds(chain.compute_time)})",
+        f"budgets from the minimum feasible {render.describe_bytes(low)} to the store-all peak {render.describe_bytes(high)}",
+        "",
+        *render.pareto_table(rows, PARETO_SOLVERS, high),
+        "",
+        "— : that solver has no schedule within the budget",
+    ]
+    if args.plot:
+        plot_pareto(rows, PARETO_SOLVERS, args.plot, f"{chain.name}: overhead against budget")
+        lines.append(f"pareto plot written to {args.plot}")
+    print("\n".join(lines))
+
+
+def _overhead(chain, budget: int, solver: str, slots):
+    """The overhead fraction of ``solver``'s plan within ``budget`` bytes, or None when it has none."""
+    try:
+        plan = solvers.solve(chain, budget, solver, slots=slots if solver == "rotor" else None)
+    except MemschedError:
+        return None
+    return plan.predicted.overhead

@@ -1,0 +1,89 @@
+"""PNG plots: a simulated plan's memory timeline and the overhead-against-budget Pareto front.
+
+matplotlib is imported inside the functions (Agg canvas, no pyplot state), so
+the command line loads it only for ``--plot``. Inputs are bytes and seconds;
+the axes show MiB, seconds and percent.
+"""
+
+import math
+from pathlib import Path
+
+from planner.errors import MemschedError
+from planner.render import op_categories
+from planner.units import format_bytes
+
+MIB = 2**20
+_CATEGORY_COLOURS = {"forward": "tab:blue", "recomputed forward": "tab:orange", "loss": "tab:purple",
+                     "backward": "tab:green"}
+
+
+def _figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _save(figure, path) -> None:
+    path = Path(path)
+    try:
+        figure.savefig(path, format="png", dpi=120)
+    except OSError as exc:
+        raise MemschedError(f"{path}: cannot write the plot ({exc.strerror}); choose a writable path in an existing folder") from None
+
+
+def plot_timeline(result, budget_bytes: int, path, title: str) -> None:
+    """Save a PNG of memory (MiB) against time (seconds) for a :class:`planner.simulator.SimResult`.
+
+    Each operation is drawn as a step from the memory before it to its peak,
+    held for its duration, then down to the memory after it; the area under
+    each peak is coloured by kind (first forward, recomputed forward, loss,
+    backward). A dashed line marks ``budget_bytes``, a triangle the peak.
+    """
+    figure = _figure()
+    axes = figure.add_subplot()
+    steps = result.timeline
+    times, memory = [], []
+    for step in steps:
+        times += [step.start, step.start, step.end, step.end]
+        memory += [step.memory_before / MIB, step.peak / MIB, step.peak / MIB, step.memory_after / MIB]
+    categories = op_categories(step.op for step in steps)
+    for category, colour in _CATEGORY_COLOURS.items():
+        spans = [step for step, kind in zip(steps, categories) if kind == category]
+        if spans:
+            axes.bar([s.start for s in spans], [s.peak / MIB for s in spans], width=[s.end - s.start for s in spans],
+                     align="edge", color=colour, alpha=0.35, linewidth=0, label=category)
+    axes.plot(times, memory, color="black", linewidth=0.8)
+    axes.axhline(budget_bytes / MIB, color="tab:red", linestyle="--", label=f"budget {format_bytes(budget_bytes)}")
+    peak = max(steps, key=lambda step: step.peak)
+    axes.plot([(peak.start + peak.end) / 2], [peak.peak / MIB], marker="v", color="tab:red", linestyle="none",
+              label=f"peak {format_bytes(peak.peak)} ({peak.op})")
+    axes.set_xlim(0, result.time)
+    axes.set_ylim(0, max(budget_bytes, result.peak_bytes) / MIB * 1.08)
+    axes.set_xlabel("time (s)")
+    axes.set_ylabel("memory (MiB)")
+    axes.set_title(title)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    _save(figure, path)
+
+
+def plot_pareto(rows, solver_names, path, title: str) -> None:
+    """Save a PNG of step-time overhead (%) against budget (MiB), one line per solver.
+
+    ``rows`` holds ``(budget_bytes, {solver: overhead fraction or None})``;
+    a None (no schedule within that budget) leaves a gap in the solver's line.
+    """
+    figure = _figure()
+    axes = figure.add_subplot()
+    budgets = [budget / MIB for budget, _ in rows]
+    for name in solver_names:
+        overheads = [math.nan if values[name] is None else values[name] * 100 for _, values in rows]
+        axes.plot(budgets, overheads, marker="o", label=name)
+    axes.set_xlabel("budget (MiB)")
+    axes.set_ylabel("overhead over no recomputation (%)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    _save(figure, path)

@@ -1,0 +1,173 @@
+"""Text for the command line: plan summaries, the compact schedule, the ASCII memory timeline, the Pareto table.
+
+Pure text, no matplotlib (planner/plot.py draws the PNGs). Sizes are bytes
+and durations seconds on input; the text shows both bytes and a binary-unit
+form (planner.units.format_bytes).
+"""
+
+from planner.plan import FORWARD_OPS
+from planner.units import format_bytes
+
+# Categories of operations, with the letter the ASCII timeline uses for each.
+CATEGORY_LETTERS = {"forward": "F", "recomputed forward": "R", "loss": "L", "backward": "B"}
+
+
+def format_seconds(seconds: float) -> str:
+    """Seconds with six significant digits: ``0.416284 s``."""
+    return f"{seconds:.6g} s"
+
+
+def format_percent(fraction: float) -> str:
+    """A fraction as a percentage with one decimal: 0.1503 -> ``15.0%``."""
+    # Adding 0.0 turns the -0.0 that rounding a tiny negative float gives into 0.0.
+    return f"{round(fraction * 100, 1) + 0.0:.1f}%"
+
+
+def describe_bytes(count: int) -> str:
+    """Bytes and their human form: ``506811045 bytes (483.3 MiB)``."""
+    return f"{count} bytes ({format_bytes(count)})"
+
+
+def op_categories(ops) -> list:
+    """Per operation: 'forward' (first forward of its stage), 'recomputed forward', 'loss' or 'backward'."""
+    seen, categories = set(), []
+    for op in ops:
+        if op.kind in FORWARD_OPS:
+            categories.append("recomputed forward" if op.stage in seen else "forward")
+            seen.add(op.stage)
+        else:
+            categories.append("loss" if op.kind == "Loss" else "backward")
+    return categories
+
+
+def _schedule_groups(schedule) -> list:
+    """Consecutive ops of one kind over consecutive stages as one range: ``F_all 5-19``, ``B 19-5``."""
+    groups = []  # [kind, first stage, last stage, direction (+1, -1 or 0 while single)]
+    for op in schedule:
+        if groups and op.stage is not None:
+            kind, first, last, direction = groups[-1]
+            step = op.stage - last if last is not None else None
+            if kind == op.kind and step in (1, -1) and direction in (0, step):
+                groups[-1] = [kind, first, op.stage, step]
+                continue
+        groups.append([op.kind, op.stage, op.stage, 0])
+    return [kind if first is None else f"{kind} {first}" if first == last else f"{kind} {first}-{last}"
+            for kind, first, last, _ in groups]
+
+
+def compact_schedule(schedule, width: int = None) -> str:
+    """The schedule as ranges: ``F_ck 0, F_none 1-4, F_all 5-19, Loss, B 19-5, F_all 0-4, B 4-0``.
+
+    One line, or with ``width`` lines of at most ``width`` characters broken between ranges.
+    """
+    lines, line = [], ""
+    for item in _schedule_groups(schedule):
+        candidate = f"{line}, {item}" if line else item
+        if width is not None and line and len(candidate) + 1 > width:
+            lines.append(line + ",")
+            candidate = item
+        line = candidate
+    return "\n".join(lines + [line])
+
+
+def _solver_text(plan, requested: str = None) -> str:
+    params = ", ".join(f"{key}={value}" for key, value in plan.params.items())
+    chosen = f" (chosen by {requested})" if requested not in (None, plan.solver) else ""
+    return f"{plan.solver}{chosen}" + (f", {params}" if params else "")
+
+
+def solve_summary(plan, requested: str) -> list:
+    """Lines describing a fresh plan: solver, peak against budget, step time, overhead, recomputations, solve time."""
+    predicted = plan.predicted
+    return [
+        f"chain      {plan.problem_name}",
+        f"solver     {_solver_text(plan, requested)}",
+        f"budget     {describe_bytes(plan.budget_bytes)}",
+        f"peak       {describe_bytes(predicted.peak_bytes)}, "
+        f"{format_percent(predicted.peak_bytes / plan.budget_bytes)} of the budget",
+        f"step time  {format_seconds(predicted.time)} per training step "
+        f"(no recomputation: {format_seconds(predicted.baseline_time)})",
+        f"overhead   {format_percent(predicted.overhead)} over no recomputation",
+        f"recomputed {plan.recomputed_forwards} forwards",
+        f"solved in  {format_seconds(plan.solve_seconds)}, optimal: {'yes' if plan.optimal else 'no'}",
+    ]
+
+
+def plan_header(plan) -> list:
+    """Lines naming a stored plan's problem and solver, with its budget and predicted peak, time and overhead."""
+    predicted = plan.predicted
+    return [
+        f"plan for   {plan.problem_name} ({plan.fingerprint[:19]}...)",
+        f"solver     {_solver_text(plan)}" + (" (optimal)" if plan.optimal else ""),
+        f"budget     {describe_bytes(plan.budget_bytes)}",
+        f"peak       {describe_bytes(predicted.peak_bytes)} predicted",
+        f"step time  {format_seconds(predicted.time)} predicted, overhead {format_percent(predicted.overhead)}",
+        f"schedule   {len(plan.schedule)} operations, {plan.recomputed_forwards} forwards recomputed:",
+    ]
+
+
+def simulation_lines(plan, result) -> list:
+    """Lines on a re-simulation (peak in bytes, time in seconds), flagging a plan whose stored prediction differs."""
+    lines = [f"simulated  peak {describe_bytes(result.peak_bytes)}, step time {format_seconds(result.time)}"]
+    if (result.peak_bytes, result.time) != (plan.predicted.peak_bytes, plan.predicted.time):
+        lines.append("note       the plan's stored prediction differs from this simulation; "
+                     "the plan file was edited or comes from another simulator")
+    return lines
+
+
+def ascii_timeline(result, budget_bytes: int, width: int = 60, height: int = 10) -> list:
+    """Memory over the operations of a simulation, as ``height`` rows of ``width`` columns of ASCII.
+
+    Each column covers one or more consecutive operations and rises to their
+    highest peak (bytes). The row holding ``budget_bytes`` is drawn with ``-``
+    where no bar reaches, ``v`` above the chart marks the column of the peak,
+    and the letters under the axis say which kind of operation peaks in each
+    column (F first forward, R recomputed forward, L loss, B backward).
+    """
+    steps = result.timeline
+    count = len(steps)
+    columns = []  # per column, the step with the highest peak among those it covers
+    for c in range(width):
+        first = c * count // width
+        covered = steps[first:max(first + 1, (c + 1) * count // width)]
+        columns.append(max(covered, key=lambda step: step.peak))
+    top = max(budget_bytes, result.peak_bytes)
+    budget_row = height - max(1, -(-budget_bytes * height // top))  # the row whose band holds the budget
+    peak_step = max(steps, key=lambda step: step.peak)
+    peak_column = next(c for c, step in enumerate(columns) if step.peak == peak_step.peak)
+    letters = [CATEGORY_LETTERS[category] for category in op_categories(step.op for step in steps)]
+    label_width = max(len(format_bytes(top)), len("0 B"))
+    lines = [
+        f"memory over {count} operations: peak {format_bytes(result.peak_bytes)} at operation {peak_step.index} "
+        f"({peak_step.op}), budget {format_bytes(budget_bytes)}",
+        " " * (label_width + 2) + " " * peak_column + "v peak",
+    ]
+    for row in range(height):
+        floor = top * (height - row - 1) / height  # a bar fills this row when its peak is above the band's floor
+        blank = "-" if row == budget_row else " "
+        cells = "".join("#" if step.peak > floor else blank for step in columns)
+        label = format_bytes(top * (height - row) // height)
+        suffix = " budget" if row == budget_row else ""
+        lines.append(f"{label:>{label_width}} |{cells}{suffix}".rstrip())
+    lines += [
+        f"{'0 B':>{label_width}} +" + "-" * width,
+        " " * (label_width + 2) + "".join(letters[step.index] for step in columns),
+        " " * (label_width + 2) + f"op 0{f'op {count - 1}':>{width - 4}}",
+        "F forward, R recomputed forward, L loss, B backward (the operation peaking in each column)",
+    ]
+    return lines
+
+
+def pareto_table(rows, solver_names, store_all_peak: int) -> list:
+    """The overhead table: one row per budget (bytes, % of ``store_all_peak``), per solver the overhead or ``—``.
+
+    ``rows`` holds ``(budget_bytes, {solver: overhead fraction or None})``;
+    None means that solver has no schedule within the budget.
+    """
+    header = f"{'budget':>22} {'% peak':>7}" + "".join(f" {name:>10}" for name in solver_names)
+    lines = [header]
+    for budget, overheads in rows:
+        cells = "".join(f" {'—' if overheads[name] is None else format_percent(overheads[name]):>10}"
+                        for name in solver_names)
+        lines.append(f"{format_bytes(budget):>10} {budget:>11} {format_percent(budget / store_all_peak):>7}{cells}")
+    return lines
