@@ -73,8 +73,15 @@ class Chain:
 
     @property
     def compute_time(self) -> float:
-        """Seconds of one step without recomputation: every forward, every backward, the loss."""
-        return sum(s.fwd_time + s.bwd_time for s in self.stages) + self.loss.bwd_time
+        """Seconds of one step without recomputation: every forward, the loss, every backward.
+
+        Added in that order, as the simulator adds a store-all schedule, so both give the same float.
+        """
+        total = 0.0
+        for seconds in ([s.fwd_time for s in self.stages] + [self.loss.bwd_time]
+                        + [s.bwd_time for s in reversed(self.stages)]):
+            total += seconds
+        return total
 
     def act_bytes(self, i: int) -> int:
         """Size of activation ``a_i`` (0 <= i <= L); ``a_0`` is the input."""
@@ -127,9 +134,9 @@ class Chain:
 def _stage_from_dict(raw, where: str, index: int) -> Stage:
     if not isinstance(raw, dict):
         raise MemschedError(f"{where} must be an object with fields {', '.join(_STAGE_FIELDS)}")
-    validate.reject_unknown(raw, _STAGE_FIELDS, where)
     name = validate.text(raw.get("name", f"stage{index}"), f"{where}.name")
     where = f"{where} ({name})"
+    validate.reject_unknown(raw, _STAGE_FIELDS, where)
     values = {"name": name}
     for field in ("fwd_time", "bwd_time"):
         values[field] = validate.non_negative_seconds(validate.require(raw, field, where), f"{where}.{field}")

@@ -8,6 +8,20 @@ from pathlib import Path
 from planner.errors import MemschedError
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs):
+    """``json`` keeps the last of repeated keys silently; a file with one is ambiguous, so refuse it."""
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
 def read_json(path) -> dict:
     """Return the JSON object stored at ``path``, or raise a one-line error."""
     path = Path(path)
@@ -18,9 +32,11 @@ def read_json(path) -> dict:
     except OSError as exc:
         raise MemschedError(f"{path}: cannot read ({exc.strerror})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise MemschedError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except _DuplicateKey as exc:
+        raise MemschedError(f"{path}: key '{exc.args[0]}' appears twice in one object; keep one") from None
     if not isinstance(data, dict):
         raise MemschedError(f"{path}: expected a JSON object at the top level, found {type(data).__name__}")
     return data
@@ -50,6 +66,9 @@ def write_json_atomic(path, data: dict) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
+    except OSError as exc:
+        os.unlink(tmp_name)
+        raise MemschedError(f"{path}: cannot write ({exc.strerror}); choose another output path") from None
     except BaseException:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)

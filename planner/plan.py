@@ -98,7 +98,9 @@ class Plan:
         if kind != "chain":
             raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched (it reads 'chain' plans)")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
+        validate.reject_unknown(problem, ("name", "fingerprint"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
+        validate.reject_unknown(solver, ("name", "params", "solve_seconds", "optimal"), f"{where}: solver")
         predicted = _object(validate.require(data, "predicted", where), f"{where}: predicted")
         validate.reject_unknown(predicted, _PREDICTED_FIELDS, f"{where}: predicted")
         params = solver.get("params", {})

@@ -86,7 +86,7 @@ class ChainSimulator:
 
     def initial_state(self) -> State:
         """Only the input is resident."""
-        return State(standalone=1, checkpoint=1, abar=0, grad=0, done=0, memory=self.act[0])
+        return State(standalone=1, checkpoint=0, abar=0, grad=0, done=0, memory=self.act[0])
 
     def is_complete(self, state: State) -> bool:
         """True once the loss and every backward have run."""
@@ -134,7 +134,7 @@ class ChainSimulator:
             raise ValueError(f"a_{i + 1} is already in memory")
         peak = state.memory + stage.out_bytes + stage.fwd_tmp_bytes
         new = state._replace(standalone=state.standalone | out, memory=state.memory + stage.out_bytes)
-        held_alone = state.standalone >> i & 1
+        held_alone = i > 0 and state.standalone >> i & 1  # the input is the caller's: never released
         if op.kind == "F_ck" and held_alone:
             new = new._replace(checkpoint=new.checkpoint | 1 << i)
         elif op.kind == "F_none" and held_alone:

@@ -1,7 +1,7 @@
 """Byte quantities written by people: ``4GiB``, ``512MB``, ``123456789``, ``50%``."""
 
-import math
 import re
+from decimal import Decimal
 
 from planner.errors import MemschedError
 
@@ -18,19 +18,19 @@ def parse_budget(text: str, reference_bytes: int = None, what: str = "budget") -
     match = _QUANTITY.match(str(text))
     if not match:
         raise MemschedError(f"{what}: cannot read {text!r}; write bytes like 123456789, 4GiB, 512MB, or a percentage like 50%")
-    number, unit = float(match.group(1)), match.group(2)
+    number, unit = Decimal(match.group(1)), match.group(2)  # exact decimal arithmetic: no rounding surprises
     if unit == "%":
         if reference_bytes is None:
             raise MemschedError(f"{what}: a percentage needs a chain to take it of; give bytes instead")
-        value = number / 100.0 * reference_bytes
+        value = int(number * reference_bytes / 100)
     else:
         factor = _UNITS.get(unit.lower())
         if factor is None:
             raise MemschedError(f"{what}: unknown unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
-        value = number * factor
-    if not math.isfinite(value) or value <= 0:
-        raise MemschedError(f"{what}: {text!r} must be a positive amount of memory")
-    return int(value)
+        value = int(number * factor)
+    if not 1 <= value < 2**63:
+        raise MemschedError(f"{what}: {text!r} must be a positive amount of memory (at least 1 byte, below 8 EiB)")
+    return value
 
 
 def format_bytes(count: int) -> str:

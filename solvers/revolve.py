@@ -15,8 +15,6 @@ time-optimal among those keeping ``s`` snapshots and taping one stage at a time.
 Given a budget, the solver takes the most snapshots whose simulated peak fits.
 """
 
-from functools import lru_cache
-
 import numpy as np
 
 from planner.chain import Chain
@@ -26,9 +24,19 @@ from planner.simulator import ChainSimulator
 from solvers.result import Solution
 
 
-@lru_cache(maxsize=8)
+_table_cache = {}
+
+
 def advance_table(max_length: int, max_snapshots: int):
-    """``(cost, split)``: ``cost[s, l]`` = minimal advances T(l, s); ``split[s, l]`` = the best first advance m."""
+    """``(cost, split)`` covering at least the given sizes: ``cost[s, l]`` = minimal advances T(l, s),
+    ``split[s, l]`` = the best first advance m. Entries never depend on larger sizes, so one table,
+    grown when a larger one is asked for, serves every call."""
+    cached = _table_cache.get("table")
+    if cached is not None and cached[0].shape[0] > max_snapshots and cached[0].shape[1] > max_length:
+        return cached
+    if cached is not None:
+        max_snapshots = max(max_snapshots, cached[0].shape[0] - 1)
+        max_length = max(max_length, cached[0].shape[1] - 1)
     cost = np.full((max_snapshots + 1, max_length + 1), np.inf)
     split = np.zeros((max_snapshots + 1, max_length + 1), dtype=np.int64)
     cost[:, 1] = 0
@@ -38,13 +46,13 @@ def advance_table(max_length: int, max_snapshots: int):
             totals = m + cost[s - 1, length - m] + cost[s, m]
             best = int(np.argmin(totals))
             cost[s, length], split[s, length] = totals[best], best + 1
-    cost.setflags(write=False)
-    split.setflags(write=False)
+    _table_cache["table"] = (cost, split)
     return cost, split
 
 
 def revolve_schedule(length: int, snapshots: int) -> tuple:
-    """The binomial schedule reversing ``length`` stages with ``snapshots`` slots (1 <= snapshots <= length)."""
+    """The binomial schedule reversing ``length`` stages with ``snapshots`` slots (>= 1, the input's included)."""
+    snapshots = min(snapshots, length)  # more slots than stages are never used
     _, split = advance_table(length, snapshots)
     ops = []
     tasks = [(0, length, snapshots)]  # reverse stages start..start+count-1 holding `slots` snapshots
@@ -69,8 +77,8 @@ def revolve(chain: Chain, budget: int, snapshots: int = None) -> Solution:
     """Binomial checkpointing with ``snapshots`` slots, or with the most slots whose simulated peak fits ``budget``."""
     length = chain.length
     if snapshots is not None:
-        if not 1 <= snapshots <= length:
-            raise MemschedError(f"revolve: snapshots must be between 1 and {length} for this chain, got {snapshots}")
+        if snapshots < 1:
+            raise MemschedError(f"revolve: snapshots must be at least 1 (the input), got {snapshots}")
         return Solution(revolve_schedule(length, snapshots), params={"snapshots": snapshots})
     simulator = ChainSimulator(chain)
     low, high = 1, length  # the peak grows with the snapshot count: find the largest that fits

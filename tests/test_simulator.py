@@ -1,0 +1,91 @@
+"""The simulator on a chain small enough to replay by hand, and its refusals."""
+
+import pytest
+
+from planner import Chain, Loss, Op, ScheduleError, Stage, simulate
+from solvers.extremes import recompute_all, store_all_schedule
+
+# Input 10 bytes; two stages; the loss. Sizes chosen so every term of the model shows in the sums.
+CHAIN = Chain(
+    name="hand", device="test", input_bytes=10,
+    stages=(
+        Stage("s0", fwd_time=1.0, bwd_time=2.0, out_bytes=20, saved_bytes=50, fwd_tmp_bytes=3, bwd_tmp_bytes=4, param_bytes=5),
+        Stage("s1", fwd_time=3.0, bwd_time=4.0, out_bytes=30, saved_bytes=60, fwd_tmp_bytes=6, bwd_tmp_bytes=7, param_bytes=8),
+    ),
+    loss=Loss(bwd_time=0.5, tmp_bytes=9),
+)
+
+
+def _trace(schedule):
+    result = simulate(CHAIN, schedule)
+    return result, [(str(s.op), s.memory_before, s.peak, s.memory_after) for s in result.timeline]
+
+
+def test_store_all_by_hand():
+    result, steps = _trace(store_all_schedule(2))
+    assert steps == [
+        ("F_all 0", 10, 10 + 50 + 3, 60),  # ā_1 kept; forward temporaries on top
+        ("F_all 1", 60, 60 + 60 + 6, 120),
+        ("Loss", 120, 120 + 30 + 9, 150),  # δ_2 is new memory: a_2 lives inside ā_2
+        ("B 1", 150, 150 + 20 + 8 + 7, 150 - 60 - 30 + 8 + 20),  # δ_1 + parameter gradients + temporaries
+        ("B 0", 88, 88 + 10 + 5 + 4, 88 - 50 - 20 + 5 + 10),  # the input is never released
+    ]
+    assert result.peak_bytes == 185
+    assert result.time == pytest.approx(1 + 3 + 0.5 + 4 + 2)
+    assert [(s.start, s.end) for s in result.timeline][:2] == [(0.0, 1.0), (1.0, 4.0)]
+
+
+def test_recompute_all_by_hand():
+    result, steps = _trace(recompute_all(CHAIN, 10**9).schedule)
+    assert steps == [
+        ("F_ck 0", 10, 10 + 20 + 3, 30),  # a_1 kept standalone
+        ("F_all 1", 30, 30 + 60 + 6, 90),
+        ("Loss", 90, 90 + 30 + 9, 120),
+        ("B 1", 120, 120 + 20 + 8 + 7, 120 - 60 - 30 + 8),  # δ_1 takes the place of the checkpoint a_1
+        ("F_all 0", 38, 38 + 50 + 3, 88),
+        ("B 0", 88, 88 + 10 + 5 + 4, 33),
+    ]
+    assert result.peak_bytes == 155
+    assert result.time == pytest.approx(1 + 3 + 0.5 + 4 + 1 + 2)
+
+
+def test_f_none_releases_its_input_but_never_the_chain_input():
+    three = Chain(name="three", device="test", input_bytes=10,
+                  stages=tuple(Stage(f"s{i}", 1.0, 1.0, 20, 40) for i in range(3)), loss=Loss())
+    schedule = [Op("F_none", 0), Op("F_none", 1), Op("F_all", 2), Op("Loss"), Op("B", 2),
+                Op("F_ck", 0), Op("F_all", 1), Op("B", 1), Op("F_all", 0), Op("B", 0)]
+    steps = simulate(three, schedule).timeline
+    assert steps[0].memory_after == 10 + 20  # a_0 stays
+    assert steps[1].memory_after == 10 + 20  # a_2 made, a_1 released
+    assert steps[2].memory_after == 10 + 20 + 40
+
+
+BAD_SCHEDULES = {
+    "backward before its forward": ([Op("B", 0)], "schedule[0] (B 0): ā_1 is not in memory"),
+    "loss without the last activation": ([Op("F_all", 0), Op("Loss")], "schedule[1] (Loss): a_2 is not in memory"),
+    "backward without its gradient": ([Op("F_all", 0), Op("B", 0)], "schedule[1] (B 0): δ_1 is not in memory"),
+    "forward without its input": ([Op("F_all", 1)], "schedule[0] (F_all 1): a_1 is not in memory"),
+    "stage out of range": ([Op("F_all", 2)], "schedule[0] (F_all 2): stage must be between 0 and 1"),
+    "repeated backward": ([*store_all_schedule(2), Op("B", 0)], "schedule[5] (B 0): the backward of stage 0 has already run"),
+    "repeated loss": ([Op("F_all", 0), Op("F_all", 1), Op("Loss"), Op("Loss")], "schedule[3] (Loss): the loss has already"),
+    "missing backward": (list(store_all_schedule(2))[:-1], "schedule ends before the backward of stage 0"),
+    "missing loss": ([Op("F_all", 0), Op("F_all", 1)], "schedule ends before the loss"),
+    "duplicate activation": ([Op("F_ck", 0), Op("F_ck", 0)], "schedule[1] (F_ck 0): a_1 is already in memory"),
+    "duplicate saved state": ([Op("F_all", 0), Op("F_all", 0)], "schedule[1] (F_all 0): ā_1 is already in memory"),
+}
+
+
+@pytest.mark.parametrize("schedule, message", BAD_SCHEDULES.values(), ids=BAD_SCHEDULES.keys())
+def test_invalid_schedules_are_refused_with_the_operation_index(schedule, message):
+    with pytest.raises(ScheduleError) as caught:
+        simulate(CHAIN, schedule)
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_checkpoint_is_kept_until_its_backward():
+    three = Chain(name="three", device="test", input_bytes=10,
+                  stages=tuple(Stage(f"s{i}", 1.0, 1.0, 20, 40) for i in range(3)), loss=Loss())
+    # a_1 is kept by F_ck 1; a_2 is a plain intermediate that F_none 2 releases; F_none 1 may not release a_1.
+    with pytest.raises(ScheduleError, match=r"schedule\[3\] \(F_none 1\): a_1 is a checkpoint"):
+        simulate(three, [Op("F_ck", 0), Op("F_ck", 1), Op("F_none", 2), Op("F_none", 1)])
