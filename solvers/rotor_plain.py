@@ -33,10 +33,12 @@ def compute_table_plain(arrays: RotorArrays, top: int):
             mmin = max([held + x[i + 1] + fwd_tmp[i]] + [held + x[k] + x[k + 1] + fwd_tmp[k] for k in range(i + 1, end)])
             for m in range(mmin, top + 1):
                 best = math.inf
+                advance = 0.0
                 for j in range(i + 1, end + 1):
+                    advance += fwd_time[j - 1]
                     later_params = prefix[end + 1] - prefix[j]
                     if m >= x[j] and m >= later_params:
-                        cost = sum(fwd_time[i:j]) + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
+                        cost = advance + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
                         best = min(best, cost)
                 chain_ok = (m >= xbar[i + 1] and m >= held + xbar[i + 1] + fwd_tmp[i]
                             and m - (prefix[end + 1] - prefix[i + 1]) >= x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
