@@ -116,10 +116,7 @@ class Chain:
     @classmethod
     def from_dict(cls, data: dict, where: str = "chain") -> "Chain":
         """Validate a ``memsched.chain/1`` object; a bad field raises a one-line :class:`MemschedError`."""
-        if not isinstance(data, dict):
-            raise MemschedError(f"{where}: expected a JSON object")
-        validate.format_tag(data, "chain", 1, where)
-        validate.reject_unknown(data, _CHAIN_FIELDS, where)
+        validate.document(data, "chain", 1, _CHAIN_FIELDS, where)
         name = validate.text(data.get("name", "chain"), f"{where}: name")
         device = validate.text(data.get("device", "unknown"), f"{where}: device")
         input_bytes = validate.non_negative_bytes(validate.require(data, "input_bytes", where), f"{where}: input_bytes")

@@ -90,10 +90,7 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
         """Validate a ``memsched.plan/1`` object; a bad field raises a one-line :class:`MemschedError`."""
-        if not isinstance(data, dict):
-            raise MemschedError(f"{where}: expected a JSON object")
-        validate.format_tag(data, "plan", 1, where)
-        validate.reject_unknown(data, _PLAN_FIELDS, where)
+        validate.document(data, "plan", 1, _PLAN_FIELDS, where)
         kind = validate.require(data, "kind", where)
         if kind != "chain":
             raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched (it reads 'chain' plans)")

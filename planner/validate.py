@@ -55,6 +55,14 @@ def text(value, where: str) -> str:
     return value
 
 
+def document(data, family: str, version: int, fields, where: str) -> None:
+    """Check a top-level object: a JSON object, tagged ``memsched.<family>/<version>``, with only ``fields``."""
+    if not isinstance(data, dict):
+        raise MemschedError(f"{where}: expected a JSON object")
+    format_tag(data, family, version, where)
+    reject_unknown(data, fields, where)
+
+
 def format_tag(data: dict, family: str, version: int, where: str) -> None:
     """Check the ``format`` field is ``memsched.<family>/<version>``."""
     tag = require(data, "format", where)
