@@ -1,4 +1,4 @@
-"""The ``memsched`` command line: ``solve``, ``show`` and ``pareto``.
+"""The ``memsched`` command line: ``profile``, ``solve``, ``show`` and ``pareto``.
 
 Argument parsing and printing only: the work is done by planner/ and
 solvers/, the text by planner/render.py and the PNGs by planner/plot.py.
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import solvers
-from planner import check_plan_matches, load_chain, load_plan, render, save_plan, simulate
+from planner import check_plan_matches, load_chain, load_plan, render, save_chain, save_plan, simulate
 from planner.errors import MemschedError
 from planner.plot import plot_pareto, plot_timeline
 from planner.units import parse_budget
@@ -50,6 +50,23 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
 
+    profile = commands.add_parser("profile", help="measure a model into a chain problem",
+                                  description="Measure a model, stage by stage, into a chain problem (memsched.chain/1).")
+    profile.add_argument("spec", metavar="SPEC",
+                         help="a built-in model (mlp, gpt-tiny, resnet-tiny; options as gpt-tiny:layers=12,d=512) "
+                              "or path/to/file.py:factory")
+    profile.add_argument("-o", "--output", required=True, metavar="CHAIN.json", help="write the chain here")
+    profile.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
+    profile.add_argument("--device", choices=("cpu", "cuda"), help="measure on this device (default: where the model is)")
+    profile.add_argument("--estimate", action="store_true",
+                         help="allocate nothing: exact sizes from fake tensors, times from FLOPs / --throughput")
+    profile.add_argument("--throughput", type=float, metavar="FLOP/s",
+                         help="device throughput assumed by --estimate (default: 1e12)")
+    profile.add_argument("--warmup", type=_at_least(0), default=2, metavar="N", help="untimed runs per stage (default: 2)")
+    profile.add_argument("--repeats", type=_at_least(1), default=5, metavar="N",
+                         help="timed runs per stage, median kept (default: 5)")
+    profile.set_defaults(command=_profile)
+
     solve = commands.add_parser("solve", help="find a schedule that fits a memory budget",
                                 description="Find the fastest schedule of a chain within a memory budget.")
     solve.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
@@ -81,6 +98,27 @@ def _parser() -> argparse.ArgumentParser:
     pareto.add_argument("--plot", metavar="pareto.png", help="save overhead against budget as a PNG")
     pareto.set_defaults(command=_pareto)
     return parser
+
+
+def _profile(args) -> None:
+    from profiles.chain_profiler import profile_chain  # torch loads only for the commands that need it
+    from profiles.spec import load_model
+
+    if args.throughput is not None and (not args.estimate or args.throughput <= 0):
+        raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate, as a positive number")
+    model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate)
+    total = len(model.stages) + 1
+
+    def progress(done, label):
+        if sys.stderr.isatty() or total > 20:
+            end = "\n" if done + 1 == total else ""
+            print("\r" + render.progress_bar(done + 1, total, label), end=end, file=sys.stderr, flush=True)
+
+    chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
+                          warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
+                          throughput=args.throughput, progress=progress)
+    save_chain(chain, args.output)
+    print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
 
 
 def _solve(args) -> None:

@@ -9,7 +9,8 @@ input. Per stage, in seconds and bytes:
   backward when run with autograd, its output included (``>= out_bytes``);
 * ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward /
   backward above the resident memory and the result it allocates (the output
-  for the forward; the input gradient and parameter gradients for the backward);
+  for the forward, the input gradient for the backward; the backward's covers
+  the parameter gradients it has made by its peak);
 * ``param_bytes``: parameter gradients, allocated by the backward and kept
   until the step ends.
 

@@ -171,3 +171,26 @@ def pareto_table(rows, solver_names, store_all_peak: int) -> list:
                         for name in solver_names)
         lines.append(f"{format_bytes(budget):>10} {budget:>11} {format_percent(budget / store_all_peak):>7}{cells}")
     return lines
+
+
+def chain_table(chain) -> list:
+    """A chain's stages as a table: times in milliseconds, sizes in binary units."""
+    header = f"{'stage':<14} {'fwd ms':>8} {'bwd ms':>8} {'out':>10} {'saved':>10} {'fwd tmp':>10} {'bwd tmp':>10} {'params':>10}"
+    lines = [header]
+    for stage in chain.stages:
+        lines.append(
+            f"{stage.name[:14]:<14} {stage.fwd_time * 1e3:8.3f} {stage.bwd_time * 1e3:8.3f} "
+            f"{format_bytes(stage.out_bytes):>10} {format_bytes(stage.saved_bytes):>10} "
+            f"{format_bytes(stage.fwd_tmp_bytes):>10} {format_bytes(stage.bwd_tmp_bytes):>10} {format_bytes(stage.param_bytes):>10}"
+        )
+    lines.append(f"{'loss':<14} {'':>8} {chain.loss.bwd_time * 1e3:8.3f} {'':>10} {'':>10} {'':>10} "
+                 f"{format_bytes(chain.loss.tmp_bytes):>10}")
+    lines.append(f"input {format_bytes(chain.input_bytes)}; one step without recomputation "
+                 f"{format_seconds(chain.compute_time)} on {chain.device}")
+    return lines
+
+
+def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
+    """``[#########.........] 12/40 block11`` for ``done`` of ``total`` items."""
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"

@@ -19,8 +19,10 @@ Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
   never a checkpoint: see below).
 * ``Loss`` needs ``a_L``; peak = resident + size(δ_L) + loss.tmp_bytes; produces ``δ_L``.
 * ``B i`` needs ``ā_{i+1}``, ``δ_{i+1}`` and ``a_i``; peak = resident + size(δ_i) +
-  param_bytes + bwd_tmp; frees ``ā_{i+1}`` and ``δ_{i+1}``, keeps the parameter
-  gradients and ``δ_i``.
+  bwd_tmp (bwd_tmp covers the parameter gradients made so far, since autograd
+  frees ``ā_{i+1}`` while it makes them), and at least the memory after it;
+  frees ``ā_{i+1}`` and ``δ_{i+1}``, keeps ``δ_i`` and the parameter gradients
+  (param_bytes) until the step ends.
 
 Once ``δ_i`` exists, a standalone checkpoint ``a_i`` is released (so ``δ_i``
 takes its place); an ``a_i`` inside ``ā_i`` stays until ``B i-1`` frees ``ā_i``,
@@ -113,11 +115,12 @@ class ChainSimulator:
             if not state.grad >> (i + 1) & 1:
                 raise ValueError(f"δ_{i + 1} is not in memory (run the backward of stage {i + 1} or the loss first)")
             self._need_activation(state, i)
-            peak = state.memory + self.act[i] + stage.param_bytes + stage.bwd_tmp_bytes
             bit = ~(1 << (i + 1))
             freed = state._replace(abar=state.abar & bit, grad=state.grad & bit)
             memory = state.memory - stage.saved_bytes - stage.out_bytes + stage.param_bytes
-            return self._produce_gradient(freed, i, memory), peak, stage.bwd_time
+            new = self._produce_gradient(freed, i, memory)
+            peak = max(state.memory + self.act[i] + stage.bwd_tmp_bytes, new.memory)
+            return new, peak, stage.bwd_time
         if op.kind not in ("F_all", "F_ck", "F_none"):
             raise ValueError(f"unknown operation {op.kind!r}")
         if state.done >> i & 1:

@@ -21,7 +21,7 @@ def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
     choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
     for i in range(length + 1):
-        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
+        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
     for span in range(1, length + 1):
         for i in range(length + 1 - span):
             end = i + span
@@ -36,7 +36,7 @@ def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
                 if leaf < best:
                     best, best_choice = leaf, j
             chain = max(held + xbar[i + 1] + fwd_tmp[i], xbar[i + 1] + need[i + 1, end],
-                        x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+                        x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
             if chain < best:
                 best, best_choice = chain, CHAIN
             need[i, end], choice[i, end] = best, best_choice
@@ -51,7 +51,8 @@ def _table(chain: Chain):
 def minimum_budget(chain: Chain) -> int:
     """Bytes: the peak of the least-memory schedule for ``chain`` (the input included)."""
     arrays, need, _ = _table(chain)
-    return int(arrays.x[0] + need[0, chain.length])
+    final_state = arrays.x[0] + arrays.param_prefix[-1]  # δ_0 and every parameter gradient, after the last backward
+    return int(arrays.x[0] + max(need[0, chain.length], final_state))
 
 
 def least_memory_schedule(chain: Chain) -> tuple:

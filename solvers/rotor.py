@@ -53,7 +53,7 @@ def _fill_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, fwd_time, bwd_t
     top = opt.shape[2] - 1
     zeros = np.zeros(top + 1)
     for i in numba.prange(length + 1):
-        low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
+        low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
         row = opt[i, i]
         for m in range(top + 1):
             row[m] = fwd_time[i] + bwd_time[i] if m >= low else np.inf
@@ -89,7 +89,12 @@ def _forward_need(x, fwd_tmp, i, end):
 def _chain_need(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, i, end):
     """Units the *chain* choice needs for ``F_all i`` (δ_{e+1} held) and for ``B i`` (gradients of i+1..e held)."""
     return max(xbar[i + 1], x[end + 1] + xbar[i + 1] + fwd_tmp[i],
-               x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+               x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+
+
+def final_state_fits(arrays: RotorArrays, top: int) -> bool:
+    """After the last backward the input's gradient and every parameter gradient are held besides the input."""
+    return int(arrays.x[0] + arrays.param_prefix[-1]) <= top
 
 
 def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
@@ -151,7 +156,7 @@ def rotor(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Solution:
     unit, arrays, top = discretise(chain, budget, slots)
     if top >= 0:
         opt = compute_table(arrays, top)
-        if np.isfinite(opt[0, chain.length, top]):
+        if np.isfinite(opt[0, chain.length, top]) and final_state_fits(arrays, top):
             schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
             return Solution(schedule, params=params, optimal=True)
     least = least_memory_schedule(chain)

@@ -23,7 +23,7 @@ def compute_table_plain(arrays: RotorArrays, top: int):
     length = len(fwd_time) - 1
     opt = [[[math.inf] * (top + 1) for _ in range(length + 1)] for _ in range(length + 1)]
     for i in range(length + 1):
-        need = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
+        need = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
         for m in range(need, top + 1):
             opt[i][i][m] = fwd_time[i] + bwd_time[i]
     for span in range(1, length + 1):
@@ -41,7 +41,7 @@ def compute_table_plain(arrays: RotorArrays, top: int):
                         cost = advance + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
                         best = min(best, cost)
                 chain_ok = (m >= xbar[i + 1] and m >= held + xbar[i + 1] + fwd_tmp[i]
-                            and m - (prefix[end + 1] - prefix[i + 1]) >= x[i] + x[i + 1] + xbar[i + 1] + params[i] + bwd_tmp[i])
+                            and m - (prefix[end + 1] - prefix[i + 1]) >= x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
                 if chain_ok:
                     best = min(best, fwd_time[i] + bwd_time[i] + opt[i + 1][end][m - xbar[i + 1]])
                 opt[i][end][m] = best

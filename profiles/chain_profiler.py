@@ -1,0 +1,382 @@
+"""Measure a model split into stages into a ``memsched.chain/1`` problem (bytes and seconds).
+
+Stage ``k`` is called as ``module(a_k, *extra)``: ``a_0`` is the first
+example input, ``a_{k+1}`` stage k's output (a tensor, or a tuple/dict of
+tensors, passed as-is), and the extra example inputs (an attention mask,
+position ids) are passed unchanged to every stage. Per stage, what the chain
+model needs (planner/chain.py), measured as the simulator will use it:
+
+* ``out_bytes``: the distinct storages of the output;
+* ``saved_bytes``: what autograd keeps for the stage's backward (through
+  ``saved_tensors_hooks``), the stage's input, the extra inputs and parameters
+  left out, the output included;
+* ``fwd_tmp_bytes``: the forward's peak above what it leaves behind, the larger
+  of the autograd forward (above ``saved_bytes``) and the no-grad forward
+  (above ``out_bytes``);
+* ``bwd_tmp_bytes``: the backward's peak above the input gradient (sized as
+  the input, as the simulator sizes it), the parameter gradients made by then
+  included;
+* ``param_bytes``: the parameter gradients this stage's backward creates (a
+  parameter shared by several stages belongs to the last of them);
+* times: the median of ``repeats`` runs after ``warmup``, with CUDA events on a
+  GPU, a wall clock elsewhere; the loss's time covers its forward and backward.
+
+Memory comes from one run under the live-memory tracker on CPU (CUDA's own
+statistics on a GPU), timing from separate runs without it. With
+``estimate=True`` the model and inputs must have been built under one
+``FakeTensorMode`` (see :func:`build_fake`): sizes are then exact and
+allocate nothing, and times are FLOPs (``FlopCounterMode``) divided by a
+stated throughput. The model is left as it was: buffers such as BatchNorm's
+running statistics and the random number generators are restored.
+"""
+
+import contextlib
+import statistics
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from planner.chain import Chain, Loss, Stage
+from planner.errors import MemschedError
+from profiles.memory import LiveMemoryTracker, memory_meter, storage_bytes, storages
+
+DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
+
+
+def named_stages(stages) -> list:
+    """``[(name, module), ...]`` from an ``nn.Sequential``/``nn.ModuleList``, a list of modules or of pairs, or a dict."""
+    if isinstance(stages, torch.nn.Sequential):
+        pairs = list(stages.named_children())
+    elif isinstance(stages, dict):
+        pairs = list(stages.items())
+    else:
+        pairs = [item if isinstance(item, tuple) else (f"stage{k}", item) for k, item in enumerate(stages)]
+    for name, module in pairs:
+        if not isinstance(name, str) or not callable(module):
+            raise MemschedError(f"stage {name!r}: expected (name, module) with a callable module, got {type(module).__name__}")
+    if not pairs:
+        raise MemschedError("no stages to profile: give at least one module")
+    return pairs
+
+
+def build_fake(factory):
+    """Call ``factory()`` under a fresh ``FakeTensorMode``: its model and inputs allocate nothing. Returns ``(mode, result)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        return mode, factory()
+
+
+def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
+                  estimate=False, throughput=None, progress=None) -> Chain:
+    """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
+
+    ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
+    ``device`` moves stages and inputs there first; ``progress(k, stage_name)``
+    is called before each stage (k = L for the loss).
+    """
+    pairs = named_stages(stages)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if not inputs:
+        raise MemschedError("example_inputs is empty: give the first stage's input")
+    loss_fn = loss_fn or _mean_of_output
+    fake_mode = _fake_mode(pairs, inputs) if estimate else None
+    if device is not None and fake_mode is None:
+        device = _checked_device(device)
+        pairs = [(stage_name, module.to(device)) for stage_name, module in pairs]
+        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+    device = device or _device_of(inputs)
+    runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
+    modules = [module for _, module in pairs]
+    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device):
+        first, extra = inputs[0], inputs[1:]
+        resident = _tensors(inputs)
+        profiled, owned = [], _parameter_owners(modules)
+        activation = first
+        for k, (stage_name, module) in enumerate(pairs):
+            if progress:
+                progress(k, stage_name)
+            stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
+                                             input_bytes=storage_bytes(_tensors(activation)))
+            profiled.append(stage)
+        if progress:
+            progress(len(pairs), "loss")
+        loss = runner.loss(loss_fn, activation, profiled[-1].out_bytes)
+    label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
+    return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss)
+
+
+def _mean_of_output(output):
+    return _tensors(output)[0].float().mean()
+
+
+def _tensors(tree) -> list:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _fake_mode(pairs, inputs):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for tensor in _tensors(inputs) + [p for _, m in pairs if isinstance(m, torch.nn.Module) for p in m.parameters()]:
+        if isinstance(tensor, FakeTensor):
+            return tensor.fake_mode
+    raise MemschedError("estimate mode needs the model and its inputs built under one FakeTensorMode "
+                        "(profiles.chain_profiler.build_fake(factory) does it)")
+
+
+def _checked_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemschedError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def _device_of(inputs) -> torch.device:
+    tensors = _tensors(inputs)
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _parameter_owners(modules) -> list:
+    """Per stage, the parameters (needing gradients) whose gradient its backward creates: the last user owns a shared one."""
+    seen, owners = set(), [[] for _ in modules]
+    for k in reversed(range(len(modules))):
+        module = modules[k]
+        for parameter in module.parameters() if isinstance(module, torch.nn.Module) else ():
+            if parameter.requires_grad and id(parameter) not in seen:
+                seen.add(id(parameter))
+                owners[k].append(parameter)
+    return owners
+
+
+@contextlib.contextmanager
+def _preserved_state(modules, device):
+    """Restore buffers (BatchNorm statistics...), parameter gradients and random number generators afterwards."""
+    buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, torch.nn.Module) for b in m.buffers()]
+    grads = [(p, p.grad) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
+    cuda = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for parameter, grad in grads:
+                parameter.grad = grad
+
+
+class _Runner:
+    """Runs one stage (or the loss) for memory, then for time."""
+
+    def __init__(self, device, warmup, repeats, fake_mode, throughput):
+        self.device = torch.device(device)
+        self.warmup, self.repeats = warmup, repeats
+        self.fake = fake_mode is not None
+        self.throughput = throughput
+
+    def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
+        """Profile one stage on ``activation``; return ``(Stage, its output detached)``."""
+        call = _guarded(k, stage_name, module, extra)
+        parameter_keys = {p.untyped_storage()._cdata for p in _module_parameters(module)}
+        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        with self._meter() as meter:
+            stage_input = _fresh_input(activation, needs_grad)
+            start = meter.current
+            packed = {}  # storage key -> bytes; no references kept, so the backward frees as it goes
+
+            def pack(tensor):
+                packed.update(storages([tensor]))
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = call(stage_input)
+            forward_peak = meter.peak - start
+            outputs = _tensors(output)
+            out_bytes = storage_bytes(outputs)
+            not_kept = set(storages(_tensors(stage_input) + resident)) | parameter_keys
+            kept = {key: size for key, size in packed.items() if key not in not_kept}
+            kept.update(storages(outputs))
+            saved_bytes = sum(kept.values())
+            gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
+            meter.reset_peak()
+            start = meter.current
+            _backward(outputs, stage_input, module)
+            backward_peak = meter.peak - start - gradient_bytes  # δ_{k+1}: resident in the model, made here
+            del packed, output, outputs, stage_input
+            meter.reset_peak()
+            start = meter.current
+            with torch.no_grad():
+                next_activation = call(_fresh_input(activation, False))
+            no_grad_peak = meter.peak - start
+        param_bytes = storage_bytes([p for p in owned])
+        for parameter in _module_parameters(module):
+            parameter.grad = None
+        fwd_time, bwd_time = self._stage_times(call, activation, needs_grad, module)
+        stage = Stage(
+            name=stage_name, fwd_time=fwd_time, bwd_time=bwd_time, out_bytes=out_bytes, saved_bytes=saved_bytes,
+            fwd_tmp_bytes=max(0, forward_peak - saved_bytes, no_grad_peak - out_bytes),
+            bwd_tmp_bytes=max(0, backward_peak - input_bytes), param_bytes=param_bytes,
+        )
+        return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
+
+    def loss(self, loss_fn, activation, gradient_bytes) -> Loss:
+        """Profile the loss and its backward on the last output: transient bytes above ``δ_L``, seconds.
+
+        As in ``loss_fn(model(x)).backward()``, nothing but autograd holds the output once the loss is
+        computed: the measurement hands the loss a copy of the output that nobody else keeps.
+        """
+        def run(handed):
+            source = torch.zeros((), requires_grad=True)
+            value = loss_fn(_HandOver.hand(handed.pop(), source))
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise MemschedError(f"the loss function must return a scalar tensor, got {type(value).__name__}")
+            torch.autograd.grad(value, [source], allow_unused=True)
+
+        with self._meter() as meter:
+            handed = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, activation)]
+            start = meter.current
+            _guarded_loss(lambda: run(handed))
+            peak = meter.peak - start
+        seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: run([activation]))))
+        return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes))
+
+    def _meter(self):
+        return LiveMemoryTracker() if self.fake else memory_meter(self.device)
+
+    def _stage_times(self, call, activation, needs_grad, module):
+        forward, backward = [], []
+        for run in range(self.warmup + self.repeats):
+            stage_input = _fresh_input(activation, needs_grad)
+            holder = {}
+            fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))
+            outputs = _tensors(holder.pop("output"))
+            bwd = self._flops_or_time(lambda: _backward(outputs, stage_input, module))
+            for parameter in _module_parameters(module):
+                parameter.grad = None
+            if run >= self.warmup:
+                forward.append(fwd)
+                backward.append(bwd)
+        return statistics.median(forward), statistics.median(backward)
+
+    def _median(self, measure):
+        samples = [measure() for _ in range(self.warmup + self.repeats)][self.warmup:]
+        return statistics.median(samples)
+
+    def _flops_or_time(self, work) -> float:
+        """Seconds of ``work()``: FLOPs / throughput when estimating, CUDA events on a GPU, else a wall clock."""
+        if self.fake:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as counter:
+                work()
+            return counter.get_total_flops() / self.throughput
+        if self.device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            begin.record()
+            work()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return begin.elapsed_time(end) / 1000.0
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+
+
+class _IncomingGradient(torch.autograd.Function):
+    """Identity whose backward hands on a fresh gradient of ones, owned by autograd alone.
+
+    In a whole chain, the gradient reaching a stage is a buffer that autograd frees as soon as the stage's
+    first backward operation has used it; a gradient held by the caller would stay to the end and inflate
+    the measured peak. The values (ones) change neither sizes nor times.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+class _HandOver(torch.autograd.Function):
+    """Identity on a tensor, differentiable with respect to a scalar ``source`` instead of the tensor.
+
+    Its backward receives the tensor's gradient (so autograd makes it, as for ``δ_L`` in a whole chain)
+    and drops it; the caller need not keep the tensor to differentiate.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, source):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, torch.zeros((), dtype=grad.dtype, device=grad.device)
+
+    @staticmethod
+    def hand(tree, source):
+        return tree_map(lambda t: _HandOver.apply(t, source) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        else t, tree)
+
+
+def _backward(outputs, stage_input, module) -> None:
+    """The stage's backward as in a whole chain: parameter gradients stored in ``.grad``, input gradients made.
+
+    ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
+    chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
+    """
+    differentiable = [t for t in outputs if t.requires_grad]
+    targets = [t for t in _tensors(stage_input) if t.requires_grad]
+    parameters = [p for p in _module_parameters(module) if p.requires_grad] if module is not None else []
+    if not differentiable or not targets + parameters:
+        return
+    if len(differentiable) == 1 and differentiable[0].numel() == 1:
+        root = differentiable[0]  # the loss: its gradient is the scalar 1
+    else:
+        root = sum(_IncomingGradient.apply(t).sum() for t in differentiable)
+    results = torch.autograd.grad(root, targets + parameters, allow_unused=True)
+    for parameter, grad in zip(parameters, results[len(targets):]):
+        if grad is not None:
+            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+
+
+def _module_parameters(module) -> list:
+    return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+
+
+def _fresh_input(activation, needs_grad):
+    """A detached copy-free view of ``activation``; floating tensors require grad when the stage's input does."""
+    def fresh(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        leaf = t.detach()
+        return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
+
+    return tree_map(fresh, activation)
+
+
+def _guarded(k, stage_name, module, extra):
+    def call(stage_input):
+        try:
+            return module(stage_input, *extra)
+        except MemschedError:
+            raise
+        except Exception as exc:  # a user's stage failing is an expected error: name it
+            message = " ".join(str(exc).split())
+            raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: {type(exc).__name__}: {message}") from None
+
+    return call
+
+
+def _guarded_loss(run):
+    try:
+        return run()
+    except MemschedError:
+        raise
+    except Exception as exc:
+        message = " ".join(str(exc).split())
+        raise MemschedError(f"the loss function failed on the last stage's output: {type(exc).__name__}: {message}") from None

@@ -1,0 +1,68 @@
+"""One plain training step of the unmodified model: the measurement a profile is checked against.
+
+Every stage runs with autograd in order, then the loss and one backward
+through everything: exactly what the store-all schedule models. Used by the
+fidelity tests and ``bench/profile_fidelity.py``.
+"""
+
+import statistics
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from profiles.memory import memory_meter, storage_bytes
+
+
+def _forward(model):
+    activation = model.example_inputs[0]
+    extra = model.example_inputs[1:]
+    for _, module in model.stages:
+        activation = module(activation, *extra)
+    return activation
+
+
+def _run(model) -> None:
+    """``loss_fn(model(x)).backward()``: as usual, nothing but autograd holds the model's output."""
+    loss_fn = model.loss_fn or (lambda out: [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)][0].float().mean())
+    loss_fn(_forward(model)).backward()
+
+
+def _parameters(model) -> list:
+    return [p for _, m in model.stages if isinstance(m, torch.nn.Module) for p in m.parameters()]
+
+
+def measured_peak(model, device="cpu") -> int:
+    """Peak bytes of one step, counted as the simulator counts: the inputs plus everything the step allocates.
+
+    Gradients start as ``None``; parameters and optimizer state are outside (resident before the step).
+    """
+    for parameter in _parameters(model):
+        parameter.grad = None
+    inputs = [t for t in tree_flatten(model.example_inputs)[0] if isinstance(t, torch.Tensor)]
+    with memory_meter(device) as meter:
+        start = meter.current
+        _run(model)
+        peak = meter.peak - start
+    for parameter in _parameters(model):
+        parameter.grad = None
+    return peak + storage_bytes(inputs)
+
+
+def measured_step_time(model, device="cpu", warmup=2, repeats=5) -> float:
+    """Median seconds of one step (forward, loss, backward) after ``warmup`` steps."""
+    samples = []
+    for run in range(warmup + repeats):
+        for parameter in _parameters(model):
+            parameter.grad = None
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        _run(model)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        if run >= warmup:
+            samples.append(time.perf_counter() - started)
+    for parameter in _parameters(model):
+        parameter.grad = None
+    return statistics.median(samples)

@@ -1,0 +1,96 @@
+"""What ``memsched profile SPEC`` names: a built-in model, or a factory in a Python file.
+
+* ``gpt-tiny`` or ``gpt-tiny:layers=12,d=512``: a model of :mod:`profiles.zoo`;
+* ``path/to/file.py:factory`` (``:build`` by default): ``factory()`` returns
+  ``(stages, example_inputs)`` or ``(stages, example_inputs, loss_fn)``.
+
+``--batch N`` sets the built-in models' ``batch`` option, or is passed to the
+factory as ``batch=N``. Every failure is a one-line :class:`MemschedError`.
+"""
+
+import importlib.util
+import inspect
+import itertools
+import sys
+from pathlib import Path
+
+from planner.errors import MemschedError
+from profiles import zoo
+
+_module_counter = itertools.count()
+
+
+def load_model(spec: str, *, batch: int = None, estimate: bool = False):
+    """``(model, fake_mode)``: the :class:`profiles.zoo.ChainModel` that ``spec`` names, built under a fresh
+    ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that mode, else None)."""
+    if _is_file_spec(spec):
+        path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")
+        factory = _file_factory(Path(path + ".py"), function or "build", batch)
+        name = Path(path).stem
+    else:
+        model_name, options = zoo.parse_spec(spec)
+        if batch is not None:
+            options["batch"] = batch
+        factory = lambda: zoo.build(model_name, **options)  # noqa: E731
+        name = model_name
+    if estimate:
+        from profiles.chain_profiler import build_fake
+
+        mode, built = build_fake(lambda: _call(factory, spec))
+        return _as_model(built, name, spec), mode
+    return _as_model(_call(factory, spec), name, spec), None
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith(".py") or ".py:" in spec
+
+
+def _file_factory(path: Path, function: str, batch):
+    if not path.is_file():
+        raise MemschedError(f"{path}: no such file (SPEC is a built-in model name or path/to/file.py:factory)")
+    module_name = f"memsched_user_model_{next(_module_counter)}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: any failure is theirs to fix
+        raise MemschedError(f"{path}: importing it failed: {type(exc).__name__}: {_one_line(exc)}") from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise MemschedError(f"{path}: has no function {function!r} (write path/to/file.py:FUNCTION)")
+    if batch is None:
+        return factory
+    if "batch" not in inspect.signature(factory).parameters:
+        raise MemschedError(f"{path}:{function}() takes no 'batch' argument, so --batch cannot be applied; add one or drop --batch")
+    return lambda: factory(batch=batch)
+
+
+def _call(factory, spec):
+    try:
+        return factory()
+    except MemschedError:
+        raise
+    except Exception as exc:
+        raise MemschedError(f"{spec}: building the model failed: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def _as_model(built, name, spec):
+    if isinstance(built, zoo.ChainModel):
+        return built
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) or (stages, example_inputs, loss_fn), "
+                            f"got {type(built).__name__}" + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
+    stages, example_inputs = built[0], built[1]
+    loss_fn = built[2] if len(built) == 3 else None
+    if loss_fn is not None and not callable(loss_fn):
+        raise MemschedError(f"{spec}: the factory's loss_fn must be callable, got {type(loss_fn).__name__}")
+    from profiles.chain_profiler import named_stages
+
+    return zoo.ChainModel(name=name, stages=named_stages(stages),
+                          example_inputs=example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
+                          loss_fn=loss_fn)
+
+
+def _one_line(exc) -> str:
+    return " ".join(str(exc).split())
