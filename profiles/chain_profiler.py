@@ -31,6 +31,7 @@ running statistics and the random number generators are restored.
 """
 
 import contextlib
+import logging
 import statistics
 import time
 
@@ -50,8 +51,11 @@ def named_stages(stages) -> list:
         pairs = list(stages.named_children())
     elif isinstance(stages, dict):
         pairs = list(stages.items())
+    elif isinstance(stages, (list, tuple, torch.nn.ModuleList)):
+        pairs = [item if isinstance(item, tuple) and len(item) == 2 else (f"stage{k}", item) for k, item in enumerate(stages)]
     else:
-        pairs = [item if isinstance(item, tuple) else (f"stage{k}", item) for k, item in enumerate(stages)]
+        raise MemschedError(f"stages must be an nn.Sequential, an nn.ModuleList, a list of modules or of (name, module) "
+                            f"pairs, or a dict of them; got {type(stages).__name__}")
     for name, module in pairs:
         if not isinstance(name, str) or not callable(module):
             raise MemschedError(f"stage {name!r}: expected (name, module) with a callable module, got {type(module).__name__}")
@@ -83,14 +87,16 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         raise MemschedError("example_inputs is empty: give the first stage's input")
     loss_fn = loss_fn or _mean_of_output
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
-    if device is not None and fake_mode is None:
+    if device is not None:
         device = _checked_device(device)
-        pairs = [(stage_name, module.to(device)) for stage_name, module in pairs]
-        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+        with fake_mode or contextlib.nullcontext():  # fake tensors move under their own mode
+            pairs = [(stage_name, module.to(device) if isinstance(module, torch.nn.Module) else module)
+                     for stage_name, module in pairs]
+            inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     device = device or _device_of(inputs)
     runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
     modules = [module for _, module in pairs]
-    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device):
+    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device), _quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
         resident = _tensors(inputs)
         profiled, owned = [], _parameter_owners(modules)
@@ -106,6 +112,18 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         loss = runner.loss(loss_fn, activation, profiled[-1].out_bytes)
     label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
     return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """A stage failing on fake tensors makes torch log a traceback; the one-line error names it instead."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _mean_of_output(output):
