@@ -104,12 +104,14 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         for k, (stage_name, module) in enumerate(pairs):
             if progress:
                 progress(k, stage_name)
+            last_input = activation
             stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
                                              input_bytes=storage_bytes(_tensors(activation)))
             profiled.append(stage)
         if progress:
             progress(len(pairs), "loss")
-        loss = runner.loss(loss_fn, activation, profiled[-1].out_bytes)
+        last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra)
+        loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
     label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
     return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss)
 
@@ -239,25 +241,27 @@ class _Runner:
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
 
-    def loss(self, loss_fn, activation, gradient_bytes) -> Loss:
-        """Profile the loss and its backward on the last output: transient bytes above ``δ_L``, seconds.
+    def loss(self, loss_fn, last_stage, last_input, needs_grad, activation, gradient_bytes) -> Loss:
+        """Profile the loss and its backward: transient bytes above ``δ_L``, and seconds.
 
-        As in ``loss_fn(model(x)).backward()``, nothing but autograd holds the output once the loss is
-        computed: the measurement hands the loss a copy of the output that nobody else keeps.
+        As in ``loss_fn(model(x)).backward()``, the last stage's graph holds what it saved and nothing else
+        holds the output: the last stage runs with autograd first, then the loss gets its output through an
+        identity that stops the gradient there (``δ_L`` is made, the stage's backward is not run).
         """
-        def run(handed):
+        def measure(output):
             source = torch.zeros((), requires_grad=True)
-            value = loss_fn(_HandOver.hand(handed.pop(), source))
+            value = loss_fn(_HandOver.hand(output.pop(), source))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise MemschedError(f"the loss function must return a scalar tensor, got {type(value).__name__}")
             torch.autograd.grad(value, [source], allow_unused=True)
 
         with self._meter() as meter:
-            handed = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, activation)]
+            with torch.enable_grad():
+                output = [last_stage(_fresh_input(last_input, needs_grad))]
             start = meter.current
-            _guarded_loss(lambda: run(handed))
+            _guarded_loss(lambda: measure(output))
             peak = meter.peak - start
-        seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: run([activation]))))
+        seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: measure([activation]))))
         return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes))
 
     def _meter(self):
@@ -324,7 +328,7 @@ class _HandOver(torch.autograd.Function):
     """Identity on a tensor, differentiable with respect to a scalar ``source`` instead of the tensor.
 
     Its backward receives the tensor's gradient (so autograd makes it, as for ``δ_L`` in a whole chain)
-    and drops it; the caller need not keep the tensor to differentiate.
+    and drops it, so the gradient goes no further; the caller need not keep the tensor to differentiate.
     """
 
     @staticmethod

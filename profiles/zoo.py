@@ -89,7 +89,7 @@ def _fail(model: str, builder, message: str):
 # mlp
 
 
-def build_mlp(*, layers: int = 8, width: int = 256, batch: int = 64) -> ChainModel:
+def build_mlp(*, layers: int = 32, width: int = 128, batch: int = 2048) -> ChainModel:
     """``layers`` stages ``Linear(width, width) + ReLU``; cross-entropy over ``width`` classes against fixed labels.
 
     (Not MSE: CPU ``mse_loss`` returns its scalar inside a batch-sized storage that fake tensors do not

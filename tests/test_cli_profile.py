@@ -174,7 +174,7 @@ def _one_error_line(status, stdout, stderr, out):
 BAD_INPUTS = [
     ("unknown-model", "resnet-huge", [], ["unknown model 'resnet-huge'", "mlp, gpt-tiny, resnet-tiny"]),
     ("bad-value", "mlp:layers=abc", [], ["layers", "'abc'", "valid options"]),
-    ("unknown-option", "mlp:depth=3", [], ["unknown option 'depth'", "layers=8"]),
+    ("unknown-option", "mlp:depth=3", [], ["unknown option 'depth'", "layers=32"]),
     ("missing-file", "{tmp}/nowhere.py:build", [], ["nowhere.py", "no such file"]),
     ("import-fails", "{factories}/broken_import.py", [], ["broken_import.py", "importing it failed",
                                                           "RuntimeError", "broken at import"]),

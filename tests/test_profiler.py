@@ -13,7 +13,7 @@ from solvers.extremes import store_all_schedule
 
 QUICK = {"warmup": 0, "repeats": 1}
 SIZES = {
-    "mlp": ["mlp", "mlp:layers=12,width=384,batch=32"],
+    "mlp": ["mlp", "mlp:layers=12,width=384,batch=32"],  # activations dominate, then parameters
     "gpt-tiny": ["gpt-tiny", "gpt-tiny:layers=3,d=192,heads=6,seq=48,batch=4"],
     "resnet-tiny": ["resnet-tiny", "resnet-tiny:blocks=3,channels=48,size=24,batch=8"],
 }

@@ -141,7 +141,7 @@ def test_unknown_option_lists_options_with_defaults():
     assert "'layer'" in message
     assert "layers=4, d=128, heads=4, seq=64, vocab=512, batch=8, dropout=0.1" in message
     message = one_line_error(zoo.build, "mlp", depth=3)
-    assert "'depth'" in message and "layers=8, width=256, batch=64" in message
+    assert "'depth'" in message and "layers=32, width=128, batch=2048" in message
     message = one_line_error(zoo.build, "resnet-tiny", width=3)
     assert "blocks=4, channels=32, size=32, classes=10, batch=16" in message
 
