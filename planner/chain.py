@@ -7,10 +7,13 @@ input. Per stage, in seconds and bytes:
 * ``out_bytes``: size of ``a_{i+1}`` (and of its gradient ``δ_{i+1}``);
 * ``saved_bytes``: size of ``ā_{i+1}``, everything the stage keeps for its
   backward when run with autograd, its output included (``>= out_bytes``);
-* ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward /
-  backward above the resident memory and the result it allocates (the output
-  for the forward, the input gradient for the backward; the backward's covers
-  the parameter gradients it has made by its peak);
+* ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward
+  with autograd / the backward above the resident memory and what it keeps
+  (``saved_bytes`` for the forward, the input gradient for the backward; the
+  backward's covers the parameter gradients it has made by its peak);
+* ``nograd_tmp_bytes``: the same for the forward without autograd (``F_ck``,
+  ``F_none``) above the output, whose intermediates are freed as it goes
+  rather than saved; ``fwd_tmp_bytes`` when absent;
 * ``param_bytes``: parameter gradients, allocated by the backward and kept
   until the step ends.
 
@@ -20,6 +23,7 @@ The loss closes the chain: it reads ``a_L`` and produces ``δ_L`` in
 The file format is ``memsched.chain/1`` (docs/formats.md).
 """
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -30,7 +34,8 @@ from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
 
 CHAIN_FORMAT = "memsched.chain/1"
-_STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes")
+_STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
+                 "bwd_tmp_bytes", "param_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes")
 
@@ -47,6 +52,11 @@ class Stage:
     fwd_tmp_bytes: int = 0
     bwd_tmp_bytes: int = 0
     param_bytes: int = 0
+    nograd_tmp_bytes: int = None  # None: as fwd_tmp_bytes
+
+    def __post_init__(self):
+        if self.nograd_tmp_bytes is None:
+            object.__setattr__(self, "nograd_tmp_bytes", self.fwd_tmp_bytes)
 
 
 @dataclass(frozen=True)
@@ -92,9 +102,7 @@ class Chain:
         """True when every stage has the same times and sizes (the setting Revolve is optimal for)."""
         first = self.stages[0]
         return all(
-            (s.fwd_time, s.bwd_time, s.out_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes, s.param_bytes)
-            == (first.fwd_time, first.bwd_time, first.out_bytes, first.saved_bytes, first.fwd_tmp_bytes,
-                first.bwd_tmp_bytes, first.param_bytes)
+            dataclasses.replace(s, name="") == dataclasses.replace(first, name="")
             for s in self.stages
         )
 
@@ -142,6 +150,8 @@ def _stage_from_dict(raw, where: str, index: int) -> Stage:
         values[field] = validate.non_negative_bytes(validate.require(raw, field, where), f"{where}.{field}")
     for field in ("fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes"):
         values[field] = validate.non_negative_bytes(raw.get(field, 0), f"{where}.{field}")
+    values["nograd_tmp_bytes"] = validate.non_negative_bytes(raw.get("nograd_tmp_bytes", values["fwd_tmp_bytes"]),
+                                                             f"{where}.nograd_tmp_bytes")
     if values["saved_bytes"] < values["out_bytes"]:
         raise MemschedError(
             f"{where}.saved_bytes = {values['saved_bytes']} is below out_bytes = {values['out_bytes']}; "

@@ -9,16 +9,19 @@ backwards) inside one custom ``autograd.Function``, in the plan's order.
 What is held follows the simulator's model (planner/simulator.py):
 
 * ``F_all i`` runs stage i under autograd on a fresh leaf sharing ``a_i``'s
-  storage and keeps its graph (``ā_{i+1}``), whose output is ``a_{i+1}``;
+  storage and keeps its graph (``ā_{i+1}``); its output ``a_{i+1}`` is kept
+  while a later operation reads it, then left to the graph (which frees it
+  unless the stage saved it, as a plain backward would);
 * ``F_ck i`` / ``F_none i`` run it under ``torch.no_grad()``; ``F_none`` then
   drops ``a_i`` (never the input);
 * ``B i`` differentiates stage i's graph with the incoming gradient
-  ``δ_{i+1}``, accumulates the parameter gradients into ``.grad`` as autograd
-  does, keeps ``δ_i``, and drops the graph, ``δ_{i+1}`` and a standalone ``a_i``.
+  ``δ_{i+1}`` (handed to autograd, which frees it once used), accumulates the
+  parameter gradients into ``.grad`` as autograd does, keeps ``δ_i``, and
+  drops the graph and a standalone ``a_i``.
 
 Recomputed forwards replay the random numbers of the stage's first forward
 (CPU and CUDA generators, as ``torch.utils.checkpoint`` does) and its autocast
-state, and leave buffers such as BatchNorm's running statistics as the first
+state, and leave the running statistics of normalisation layers as the first
 forward left them. Stage ``k`` is called ``module(a_k, *extra)`` as in the
 profiler; outputs may be tensors or tuples/dicts of tensors. Hold no
 reference to the returned output across ``backward()`` (write
@@ -28,6 +31,7 @@ reference to the returned output across ``backward()`` (write
 import contextlib
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import MemschedError
@@ -41,14 +45,14 @@ def apply_plan(stages, plan: Plan, chain=None) -> "PlannedChain":
     pairs = named_stages(stages)
     planned = 1 + max(op.stage for op in plan.schedule if op.stage is not None)
     if planned != len(pairs):
-        raise MemschedError(f"the plan schedules {planned} stages but {len(pairs)} were given; "
-                            f"solve again for this model")
+        raise MemschedError(f"the plan schedules {planned} stages but {len(pairs)} were given; solve again for this model")
     if chain is not None:
         check_plan_matches(plan, chain)
-        names = [name for name, _ in pairs]
-        if names != [stage.name for stage in chain.stages]:
-            raise MemschedError(f"the stages are named {names[:3]}… but the plan's chain has "
-                                f"{[s.name for s in chain.stages][:3]}…; apply the plan to the model it was solved for")
+        names, expected = [name for name, _ in pairs], [stage.name for stage in chain.stages]
+        if names != expected:
+            mismatch = next(k for k, (a, b) in enumerate(zip(names, expected)) if a != b)
+            raise MemschedError(f"stage {mismatch} is named {names[mismatch]!r} but the plan's chain calls it "
+                                f"{expected[mismatch]!r}; apply the plan to the model it was solved for")
     return PlannedChain(pairs, plan)
 
 
@@ -60,8 +64,8 @@ class PlannedChain(torch.nn.Module):
         self.stage_names = [name for name, _ in pairs]
         self.stages = torch.nn.ModuleList([module for _, module in pairs])
         self.plan = plan
-        split = plan.schedule.index(next(op for op in plan.schedule if op.kind == "Loss"))
-        self.forward_ops, self.backward_ops = plan.schedule[:split], plan.schedule[split + 1:]
+        self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
+        self.releases = _output_releases(plan.schedule, len(pairs))
         counts = {}
         for op in plan.schedule:
             if op.kind in FORWARD_OPS:
@@ -81,6 +85,36 @@ class PlannedChain(torch.nn.Module):
         return tree_unflatten(list(outputs), run.output_spec)
 
 
+def _output_releases(schedule, length) -> dict:
+    """``{position: [i, ...]}``: after the operation at ``position``, stage i's output is read no more.
+
+    An ``F_all i`` output ``a_{i+1}`` is read by later forwards of stage i+1 (or by the loss when
+    ``i+1 = L``) until ``B i``; after the last such read the executor keeps only stage i's graph.
+    """
+    releases = {}
+    for start, op in enumerate(schedule):
+        if op.kind != "F_all":
+            continue
+        last = start
+        for position in range(start + 1, len(schedule)):
+            later = schedule[position]
+            if later.kind == "B" and later.stage == op.stage:
+                break
+            if (later.kind in FORWARD_OPS and later.stage == op.stage + 1) or (later.kind == "Loss" and op.stage + 1 == length):
+                last = position
+        releases.setdefault(last, []).append(op.stage)
+    return releases
+
+
+class _Graph:
+    """Stage i's autograd graph: its leaf input, its output while still read, and the output's gradient edges."""
+
+    def __init__(self, leaf, output):
+        self.leaf, self.output = leaf, output
+        self.edges = [get_gradient_edge(t) if t.requires_grad else None
+                      for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+
+
 class _Run:
     """The state of one step: what is held, by activation index (bytes follow planner/simulator.py)."""
 
@@ -88,29 +122,44 @@ class _Run:
         self.planned = planned
         self.extra = extra
         self.acts = {0: first}  # standalone activations a_i
-        self.graphs = {}  # i -> (leaf input of stage i, its output): ā_{i+1}
-        self.grads = {}  # i -> δ_i
+        self.graphs = {}  # i -> _Graph of stage i: ā_{i+1}
+        self.grads = {}  # i -> δ_i, one entry per tensor of a_i (None where none)
         self.forwarded = set()  # stages whose first forward has run
-        self.rng = {}  # stage -> generator states of its first forward (only for recomputed stages)
+        self.rng = {}  # stage -> generator states of its first forward (recomputed stages only)
         self.autocast = _autocast_state()
         self.output_spec = None
 
     def activation(self, i):
         if i in self.acts:
             return self.acts[i]
-        if i - 1 in self.graphs:
-            return _detached(self.graphs[i - 1][1])
-        raise MemschedError(f"the plan needs a_{i}, which is not in memory: the plan is invalid (check it with "
-                            f"memsched show PLAN --chain CHAIN)")
+        graph = self.graphs.get(i - 1)
+        if graph is not None and graph.output is not None:
+            return _detached(graph.output)
+        raise MemschedError(f"the plan needs a_{i}, which is not in memory: the plan is invalid "
+                            f"(check it with memsched show PLAN --chain CHAIN)")
 
-    def forward_op(self, op) -> None:
+    def run(self, position) -> None:
+        """Execute the operation at ``position`` of the schedule, then release outputs no longer read."""
+        op = self.planned.plan.schedule[position]
+        if op.kind == "B":
+            self._backward(op.stage)
+        elif op.kind != "Loss":
+            self._forward(op)
+        self.release(position)
+
+    def release(self, position) -> None:
+        for i in self.planned.releases.get(position, ()):
+            if i in self.graphs:
+                self.graphs[i].output = None
+
+    def _forward(self, op) -> None:
         i, module = op.stage, self.planned.stages[op.stage]
         source = self.activation(i)
         with self._replay(i, module):
             if op.kind == "F_all":
                 leaf = _leaf(source, requires_grad=i > 0 or _any_requires_grad(source))
                 with torch.enable_grad():
-                    self.graphs[i] = (leaf, module(leaf, *self.extra))
+                    self.graphs[i] = _Graph(leaf, module(leaf, *self.extra))
             else:
                 with torch.no_grad():
                     self.acts[i + 1] = module(source, *self.extra)
@@ -118,24 +167,16 @@ class _Run:
         if op.kind == "F_none" and i > 0:
             self.acts.pop(i, None)
 
-    def backward_op(self, i) -> None:
-        leaf, output = self.graphs.pop(i)
+    def _backward(self, i) -> None:
+        graph = self.graphs.pop(i)
         incoming = self.grads.pop(i + 1)
-        module = self.planned.stages[i]
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        with torch.enable_grad():  # a custom Function's backward runs without grad mode
-            roots = [_HandOver.apply(t, g).sum() for t, g in zip(outputs, incoming) if t.requires_grad and g is not None]
-        del incoming  # from here autograd alone holds δ_{i+1}, and frees it once used, as in a plain backward
-        targets = [t for t in tree_flatten(leaf)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        results = [None] * (len(targets) + len(parameters))
-        if roots and targets + parameters:
-            with torch.enable_grad():
-                root = sum(roots)
-            del roots
-            results = list(torch.autograd.grad(root, targets + parameters, allow_unused=True))
-            del root
-        del output, outputs
+        parameters = [p for p in self.planned.stages[i].parameters() if p.requires_grad]
+        leaves = [t for t in tree_flatten(graph.leaf)[0] if isinstance(t, torch.Tensor)]
+        targets = [t for t in leaves if t.requires_grad]
+        pairs = [(edge, grad) for edge, grad in zip(graph.edges, incoming) if edge is not None and grad is not None]
+        del incoming, graph
+        results = _differentiate(pairs, targets + parameters) if pairs and targets + parameters else \
+            [None] * (len(targets) + len(parameters))
         for parameter, grad in zip(parameters, results[len(targets):]):
             if grad is not None:  # as AccumulateGrad: take the first gradient, add later ones in place
                 if parameter.grad is None:
@@ -143,43 +184,86 @@ class _Run:
                 else:
                     parameter.grad += grad
         by_target = iter(results[:len(targets)])
-        self.grads[i] = [next(by_target) if isinstance(t, torch.Tensor) and t.requires_grad else None
-                         for t in tree_flatten(leaf)[0] if isinstance(t, torch.Tensor)]
-        del leaf, results
+        self.grads[i] = [next(by_target) if t.requires_grad else None for t in leaves]
         if i > 0:
             self.acts.pop(i, None)
 
     @contextlib.contextmanager
     def _replay(self, i, module):
-        """The first forward records the random state; a recomputation replays it and keeps buffers as they were."""
+        """The first forward records the random state; a recomputation replays it and keeps running statistics."""
         if i not in self.forwarded:
             self.forwarded.add(i)
             if i in self.planned.recomputed:
                 self.rng[i] = _rng_state()
             yield
             return
-        buffers = [(b, b.clone()) for b in module.buffers()]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices), _autocast(self.autocast):
+        with torch.random.fork_rng(devices=devices), _autocast(self.autocast), _running_statistics_kept(module):
             _set_rng_state(self.rng[i])
             yield
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
-class _HandOver(torch.autograd.Function):
-    """Identity on a stage output whose backward hands on the gradient it was given, then forgets it."""
+def _differentiate(pairs, inputs) -> list:
+    """Gradients of ``inputs`` from ``[(gradient edge, incoming gradient), ...]``, autograd owning the gradients.
+
+    Autograd is given zero-stride placeholders of the right shapes, and a hook on each edge's node swaps in
+    the real gradient just before the node runs: from then on autograd alone holds it and frees it once
+    used, as in a plain backward (a gradient passed in directly would live until the call returns).
+    """
+    holder = {k: grad for k, (_, grad) in enumerate(pairs)}
+    by_node = {}
+    for k, (edge, _) in enumerate(pairs):
+        by_node.setdefault(edge.node, []).append((edge.output_nr, k))
+
+    def swap_in(entries):
+        def hook(grad_outputs):
+            grads = list(grad_outputs)
+            for output_nr, k in entries:
+                grads[output_nr] = holder.pop(k)
+            return tuple(grads)
+
+        return hook
+
+    placeholders = [torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape) for _, grad in pairs]
+    edges = [edge for edge, _ in pairs]
+    del pairs
+    handles = [node.register_prehook(swap_in(entries)) for node, entries in by_node.items()]
+    try:
+        return list(torch.autograd.grad(edges, inputs, placeholders, allow_unused=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Schedule(torch.autograd.Function):
+    """Forward: the plan's operations before ``Loss``. Backward: the operations after it."""
 
     @staticmethod
-    def forward(ctx, tensor, grad):
-        ctx.grad = grad
-        return tensor.view_as(tensor)
+    def forward(ctx, run, anchor, *flat_inputs):
+        planned = run.planned
+        for position in range(planned.loss_position):
+            run.run(position)
+        last = run.activation(len(planned.stages))
+        leaves, run.output_spec = tree_flatten(last)
+        outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves)
+        del last, leaves
+        run.release(planned.loss_position)
+        ctx.run, ctx.input_count = run, len(flat_inputs)
+        ctx.mark_non_differentiable(*[t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()])
+        return outputs
 
     @staticmethod
-    def backward(ctx, _):
-        grad, ctx.grad = ctx.grad, None
-        return grad, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *placeholders):
+        run = ctx.run
+        del ctx.run
+        planned, length = run.planned, len(run.planned.stages)
+        run.acts.pop(length, None)  # δ_L takes the place of a standalone a_L
+        for position in range(planned.loss_position + 1, len(planned.plan.schedule)):
+            run.run(position)
+        first_grads = run.grads.pop(0, [])
+        grads = list(first_grads) + [None] * (ctx.input_count - len(first_grads))
+        return (None, None, *grads[:ctx.input_count])
 
 
 class _Capture(torch.autograd.Function):
@@ -204,36 +288,25 @@ class _Capture(torch.autograd.Function):
                         for g in grads])
 
 
-class _Schedule(torch.autograd.Function):
-    """Forward: the plan's operations before ``Loss``. Backward: the operations after it."""
+@contextlib.contextmanager
+def _running_statistics_kept(module):
+    """Run with throw-away copies of the running statistics of normalisation layers in training mode.
 
-    @staticmethod
-    def forward(ctx, run, anchor, *flat_inputs):
-        for op in run.planned.forward_ops:
-            run.forward_op(op)
-        last = run.activation(len(run.planned.stages))
-        leaves, run.output_spec = tree_flatten(last)
-        ctx.run = run
-        ctx.input_count = len(flat_inputs)
-        outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves)
-        ctx.mark_non_differentiable(*[t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()])
-        return outputs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *placeholders):
-        run, length = ctx.run, len(ctx.run.planned.stages)
-        del ctx.run
-        if length in run.acts:
-            run.acts.pop(length)  # δ_L takes the place of a standalone a_L
-        for op in run.planned.backward_ops:
-            if op.kind == "B":
-                run.backward_op(op.stage)
-            else:
-                run.forward_op(op)
-        first_grads = run.grads.pop(0, [])
-        grads = list(first_grads) + [None] * (ctx.input_count - len(first_grads))
-        return (None, None, *grads[:ctx.input_count])
+    A recomputed forward must not update them a second time; copying the originals back afterwards would
+    bump their version counters, which autograd checks, so the originals are swapped out instead.
+    """
+    swapped = []
+    for layer in module.modules() if isinstance(module, torch.nn.Module) else ():
+        if isinstance(layer, torch.nn.modules.batchnorm._NormBase) and layer.training and layer.track_running_stats:
+            originals = {name: layer._buffers[name] for name in ("running_mean", "running_var", "num_batches_tracked")
+                         if layer._buffers.get(name) is not None}
+            layer._buffers.update({name: buffer.clone() for name, buffer in originals.items()})
+            swapped.append((layer, originals))
+    try:
+        yield
+    finally:
+        for layer, originals in swapped:
+            layer._buffers.update(originals)
 
 
 def _detached(tree):

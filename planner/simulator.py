@@ -14,7 +14,7 @@ It is the judge of every solver. The memory model is that of Beaumont et al.
 Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
 
 * ``F_all i`` needs ``a_i``; peak = resident + x̄ + fwd_tmp; then ``ā_{i+1}`` is resident.
-* ``F_ck i`` needs ``a_i``; peak = resident + x + fwd_tmp; then ``a_{i+1}`` is resident.
+* ``F_ck i`` needs ``a_i``; peak = resident + x + nograd_tmp; then ``a_{i+1}`` is resident.
 * ``F_none i`` as ``F_ck i``, then frees ``a_i`` if it was held standalone (never the input,
   never a checkpoint: see below).
 * ``Loss`` needs ``a_L``; peak = resident + size(δ_L) + loss.tmp_bytes; produces ``δ_L``.
@@ -135,7 +135,7 @@ class ChainSimulator:
             return new, peak, stage.fwd_time
         if (state.standalone | state.abar) & out:
             raise ValueError(f"a_{i + 1} is already in memory")
-        peak = state.memory + stage.out_bytes + stage.fwd_tmp_bytes
+        peak = state.memory + stage.out_bytes + stage.nograd_tmp_bytes
         new = state._replace(standalone=state.standalone | out, memory=state.memory + stage.out_bytes)
         held_alone = i > 0 and state.standalone >> i & 1  # the input is the caller's: never released
         if op.kind == "F_ck" and held_alone:

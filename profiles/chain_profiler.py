@@ -10,9 +10,8 @@ model needs (planner/chain.py), measured as the simulator will use it:
 * ``saved_bytes``: what autograd keeps for the stage's backward (through
   ``saved_tensors_hooks``), the stage's input, the extra inputs and parameters
   left out, the output included;
-* ``fwd_tmp_bytes``: the forward's peak above what it leaves behind, the larger
-  of the autograd forward (above ``saved_bytes``) and the no-grad forward
-  (above ``out_bytes``);
+* ``fwd_tmp_bytes``: the autograd forward's peak above ``saved_bytes``;
+  ``nograd_tmp_bytes``: the no-grad forward's peak above ``out_bytes``;
 * ``bwd_tmp_bytes``: the backward's peak above the input gradient (sized as
   the input, as the simulator sizes it), the parameter gradients made by then
   included;
@@ -236,7 +235,7 @@ class _Runner:
         fwd_time, bwd_time = self._stage_times(call, activation, needs_grad, module)
         stage = Stage(
             name=stage_name, fwd_time=fwd_time, bwd_time=bwd_time, out_bytes=out_bytes, saved_bytes=saved_bytes,
-            fwd_tmp_bytes=max(0, forward_peak - saved_bytes, no_grad_peak - out_bytes),
+            fwd_tmp_bytes=max(0, forward_peak - saved_bytes), nograd_tmp_bytes=max(0, no_grad_peak - out_bytes),
             bwd_tmp_bytes=max(0, backward_peak - input_bytes), param_bytes=param_bytes,
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)

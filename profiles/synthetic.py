@@ -24,12 +24,14 @@ def random_chain(length: int, seed: int = 0, *, homogeneous: bool = False, tmp: 
     out = rng.integers(scale_bytes // 5, 3 * scale_bytes, count)
     saved = out * rng.uniform(1.0, 4.0, count)
     fwd_tmp = rng.integers(0, scale_bytes, count) if tmp else np.zeros(count, dtype=np.int64)
+    nograd_tmp = rng.integers(0, scale_bytes, count) if tmp else np.zeros(count, dtype=np.int64)
     bwd_tmp = rng.integers(0, 2 * scale_bytes, count) if tmp else np.zeros(count, dtype=np.int64)
     param = rng.integers(0, scale_bytes // 2, count) if params else np.zeros(count, dtype=np.int64)
     pick = (lambda i: 0) if homogeneous else (lambda i: i)
     stages = tuple(
         Stage(name=f"stage{i}", fwd_time=float(round(fwd[pick(i)], 6)), bwd_time=float(round(bwd[pick(i)], 6)),
               out_bytes=int(out[pick(i)]), saved_bytes=int(saved[pick(i)]), fwd_tmp_bytes=int(fwd_tmp[pick(i)]),
+              nograd_tmp_bytes=int(nograd_tmp[pick(i)]),
               bwd_tmp_bytes=int(bwd_tmp[pick(i)]), param_bytes=int(param[pick(i)]))
         for i in range(length)
     )

@@ -15,7 +15,7 @@ from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
 @numba.njit(cache=True)
-def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
+def _least_memory_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, params, param_prefix):
     """``(need, choice)`` over sub-chains ``i..e``: least bytes and the choice (CHAIN or leaf j) that achieves it."""
     length = len(params) - 1
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
@@ -26,11 +26,11 @@ def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
         for i in range(length + 1 - span):
             end = i + span
             held = x[end + 1]
-            forwards = held + x[i + 1] + fwd_tmp[i]  # F_ck i, then F_none k for i < k < j, with δ_{e+1} held
+            forwards = held + x[i + 1] + nograd_tmp[i]  # F_ck i, then F_none k for i < k < j, with δ_{e+1} held
             best, best_choice = np.iinfo(np.int64).max, CHAIN
             for j in range(i + 1, end + 1):
                 if j > i + 1:
-                    forwards = max(forwards, held + x[j - 1] + x[j] + fwd_tmp[j - 1])
+                    forwards = max(forwards, held + x[j - 1] + x[j] + nograd_tmp[j - 1])
                 later_params = param_prefix[end + 1] - param_prefix[j]
                 leaf = max(forwards, x[j] + need[j, end], later_params + need[i, j - 1])
                 if leaf < best:
@@ -45,7 +45,7 @@ def _least_memory_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix):
 
 def _table(chain: Chain):
     a = rotor_arrays(chain)
-    return a, *_least_memory_table(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.params, a.param_prefix)
+    return a, *_least_memory_table(a.x, a.xbar, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.params, a.param_prefix)
 
 
 def minimum_budget(chain: Chain) -> int:

@@ -47,7 +47,7 @@ def _relax(best, low, high, step, right, right_shift, left, left_shift):
 
 
 @numba.njit(cache=True, parallel=True)
-def _fill_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, fwd_time, bwd_time, opt):
+def _fill_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt):
     """Fill ``opt[i, e, :]`` for every ``i <= e`` (entries with ``i > e`` are left untouched)."""
     length = len(fwd_time) - 1
     top = opt.shape[2] - 1
@@ -61,32 +61,33 @@ def _fill_table(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, fwd_time, bwd_t
         for i in numba.prange(length + 1 - span):
             end = i + span
             best = np.full(top + 1, np.inf)
-            mmin = _forward_need(x, fwd_tmp, i, end)
-            if mmin <= top:
-                advance = 0.0
-                for j in range(i + 1, end + 1):  # leaf j: advance to a_j, solve j..e, then i..j-1
-                    advance += fwd_time[j - 1]
-                    later_params = param_prefix[end + 1] - param_prefix[j]
-                    low = max(mmin, x[j], later_params)
-                    if low <= top:
-                        _relax(best, low, top + 1, advance, opt[j, end], x[j], opt[i, j - 1], later_params)
-                low = max(mmin, _chain_need(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, i, end))
-                if low <= top:  # chain: F_all i, solve i+1..e, B i
-                    _relax(best, low, top + 1, fwd_time[i] + bwd_time[i], opt[i + 1, end], xbar[i + 1], zeros, 0)
+            advance, forwards = 0.0, 0
+            for j in range(i + 1, end + 1):  # leaf j: advance to a_j, solve j..e, then i..j-1
+                advance += fwd_time[j - 1]
+                forwards = _advance_need(x, nograd_tmp, i, j, end, forwards)
+                later_params = param_prefix[end + 1] - param_prefix[j]
+                low = max(forwards, x[j], later_params)
+                if low <= top:
+                    _relax(best, low, top + 1, advance, opt[j, end], x[j], opt[i, j - 1], later_params)
+            low = _chain_need(x, xbar, fwd_tmp, bwd_tmp, param_prefix, i, end)
+            if low <= top:  # chain: F_all i, solve i+1..e, B i
+                _relax(best, low, top + 1, fwd_time[i] + bwd_time[i], opt[i + 1, end], xbar[i + 1], zeros, 0)
             opt[i, end, :] = best
 
 
 @numba.njit(cache=True)
-def _forward_need(x, fwd_tmp, i, end):
-    """Units every schedule of ``i..e`` needs to run the forwards of stages ``i..e-1`` with ``δ_{e+1}`` held."""
-    need = x[end + 1] + x[i + 1] + fwd_tmp[i]
-    for k in range(i + 1, end):
-        need = max(need, x[end + 1] + x[k] + x[k + 1] + fwd_tmp[k])
-    return need
+def _advance_need(x, nograd_tmp, i, j, end, previous):
+    """Units to advance from ``a_i`` to ``a_j`` (``F_ck i``, ``F_none i+1..j-1``) with ``δ_{e+1}`` held.
+
+    ``previous`` is the need up to ``a_{j-1}`` (ignored for ``j = i+1``): the peaks only grow with ``j``.
+    """
+    if j == i + 1:
+        return x[end + 1] + x[i + 1] + nograd_tmp[i]
+    return max(previous, x[end + 1] + x[j - 1] + x[j] + nograd_tmp[j - 1])
 
 
 @numba.njit(cache=True)
-def _chain_need(x, xbar, fwd_tmp, bwd_tmp, params, param_prefix, i, end):
+def _chain_need(x, xbar, fwd_tmp, bwd_tmp, param_prefix, i, end):
     """Units the *chain* choice needs for ``F_all i`` (δ_{e+1} held) and for ``B i`` (gradients of i+1..e held)."""
     return max(xbar[i + 1], x[end + 1] + xbar[i + 1] + fwd_tmp[i],
                x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
@@ -101,7 +102,7 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
     """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
     size = arrays.length + 1
     opt = np.empty((size, size, top + 1))
-    _fill_table(arrays.x, arrays.xbar, arrays.fwd_tmp, arrays.bwd_tmp, arrays.params, arrays.param_prefix,
+    _fill_table(arrays.x, arrays.xbar, arrays.fwd_tmp, arrays.nograd_tmp, arrays.bwd_tmp, arrays.param_prefix,
                 arrays.fwd_time, arrays.bwd_time, opt)
     return opt
 
@@ -114,19 +115,19 @@ def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) 
     """
     a = arrays
     best, choice = np.inf, -1
-    if m >= _forward_need(a.x, a.fwd_tmp, i, end):
-        advance = 0.0
-        for j in range(i + 1, end + 1):
-            advance += a.fwd_time[j - 1]
-            later_params = int(a.param_prefix[end + 1] - a.param_prefix[j])
-            if m >= a.x[j] and m >= later_params:
-                cost = advance + opt[j, end, m - a.x[j]] + opt[i, j - 1, m - later_params]
-                if cost < best:
-                    best, choice = cost, j
-        if m >= _chain_need(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.params, a.param_prefix, i, end):
-            cost = (a.fwd_time[i] + a.bwd_time[i]) + opt[i + 1, end, m - a.xbar[i + 1]]
+    advance, forwards = 0.0, 0
+    for j in range(i + 1, end + 1):
+        advance += a.fwd_time[j - 1]
+        forwards = _advance_need(a.x, a.nograd_tmp, i, j, end, forwards)
+        later_params = int(a.param_prefix[end + 1] - a.param_prefix[j])
+        if m >= max(forwards, a.x[j], later_params):
+            cost = advance + opt[j, end, m - a.x[j]] + opt[i, j - 1, m - later_params]
             if cost < best:
-                best, choice = cost, CHAIN
+                best, choice = cost, j
+    if m >= _chain_need(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.param_prefix, i, end):
+        cost = (a.fwd_time[i] + a.bwd_time[i]) + opt[i + 1, end, m - a.xbar[i + 1]]
+        if cost < best:
+            best, choice = cost, CHAIN
     return choice
 
 

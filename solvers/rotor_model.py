@@ -21,7 +21,8 @@ class RotorArrays:
 
     x: np.ndarray  # x[i]: size of a_i and δ_i; x[L+1] = 0
     xbar: np.ndarray  # xbar[i+1]: ā_{i+1} kept by F_all i; xbar[0] = xbar[L+1] = 0
-    fwd_tmp: np.ndarray  # per stage, loss 0
+    fwd_tmp: np.ndarray  # per stage (forward with autograd), loss 0
+    nograd_tmp: np.ndarray  # per stage (forward without autograd), loss 0
     bwd_tmp: np.ndarray  # per stage, loss tmp last
     params: np.ndarray  # parameter gradients per stage, loss 0
     param_prefix: np.ndarray  # param_prefix[k] = sum of params[:k]
@@ -45,6 +46,7 @@ def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
         x=units([chain.input_bytes] + [s.out_bytes for s in stages] + [0]),
         xbar=units([0] + [s.saved_bytes for s in stages] + [0]),
         fwd_tmp=units([s.fwd_tmp_bytes for s in stages] + [0]),
+        nograd_tmp=units([s.nograd_tmp_bytes for s in stages] + [0]),
         bwd_tmp=units([s.bwd_tmp_bytes for s in stages] + [chain.loss.tmp_bytes]),
         params=params,
         param_prefix=np.concatenate([[0], np.cumsum(params)]).astype(np.int64),

@@ -15,8 +15,8 @@ def compute_table_plain(arrays: RotorArrays, top: int):
     x = [int(v) for v in arrays.x]
     xbar = [int(v) for v in arrays.xbar]
     fwd_tmp = [int(v) for v in arrays.fwd_tmp]
+    nograd_tmp = [int(v) for v in arrays.nograd_tmp]
     bwd_tmp = [int(v) for v in arrays.bwd_tmp]
-    params = [int(v) for v in arrays.params]
     prefix = [int(v) for v in arrays.param_prefix]
     fwd_time = [float(v) for v in arrays.fwd_time]
     bwd_time = [float(v) for v in arrays.bwd_time]
@@ -30,14 +30,15 @@ def compute_table_plain(arrays: RotorArrays, top: int):
         for i in range(length + 1 - span):
             end = i + span
             held = x[end + 1]
-            mmin = max([held + x[i + 1] + fwd_tmp[i]] + [held + x[k] + x[k + 1] + fwd_tmp[k] for k in range(i + 1, end)])
-            for m in range(mmin, top + 1):
+            for m in range(top + 1):
                 best = math.inf
                 advance = 0.0
                 for j in range(i + 1, end + 1):
                     advance += fwd_time[j - 1]
+                    forwards = max([held + x[i + 1] + nograd_tmp[i]]
+                                   + [held + x[k] + x[k + 1] + nograd_tmp[k] for k in range(i + 1, j)])
                     later_params = prefix[end + 1] - prefix[j]
-                    if m >= x[j] and m >= later_params:
+                    if m >= forwards and m >= x[j] and m >= later_params:
                         cost = advance + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
                         best = min(best, cost)
                 chain_ok = (m >= xbar[i + 1] and m >= held + xbar[i + 1] + fwd_tmp[i]
