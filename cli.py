@@ -1,4 +1,4 @@
-"""The ``memsched`` command line: ``profile``, ``solve``, ``show`` and ``pareto``.
+"""The ``memsched`` command line: ``demo``, ``profile``, ``solve``, ``show``, ``pareto`` and ``train``.
 
 Argument parsing and printing only: the work is done by planner/ and
 solvers/, the text by planner/render.py and the PNGs by planner/plot.py.
@@ -67,6 +67,28 @@ def _parser() -> argparse.ArgumentParser:
                          help="timed runs per stage, median kept (default: 5)")
     profile.set_defaults(command=_profile)
 
+    train = commands.add_parser("train", help="train a model by a plan, measured against the prediction",
+                                description="Profile (unless --chain), solve (unless --plan), and train a model by the "
+                                            "plan, printing measured against predicted peak and time per step.")
+    train.add_argument("spec", metavar="SPEC", help="a built-in model or path/to/file.py:factory, as for profile")
+    train.add_argument("--budget", metavar="B", help="memory budget as for solve (needed unless --plan is given)")
+    train.add_argument("--solver", default="auto", metavar="NAME", help="solver (default: auto)")
+    train.add_argument("--plan", metavar="PLAN.json", help="train by this plan instead of solving")
+    train.add_argument("--chain", metavar="CHAIN.json", help="use this profile instead of profiling")
+    train.add_argument("--steps", type=_at_least(1), default=5, metavar="N", help="training steps (default: 5)")
+    train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
+    train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
+    train.set_defaults(command=_train)
+
+    demo = commands.add_parser("demo", help="profile, solve, show and train the built-in gpt-tiny at half its memory",
+                               description="On the built-in gpt-tiny: profile it, solve at 50%% of the store-all peak "
+                                           "with rotor, show the schedule and memory timeline, train a few steps and "
+                                           "compare predicted with measured.")
+    demo.add_argument("--plot", metavar="timeline.png", help="also save the memory timeline as a PNG")
+    demo.add_argument("--steps", type=_at_least(1), default=3, metavar="N", help="training steps (default: 3)")
+    demo.set_defaults(command=_demo)
+
     solve = commands.add_parser("solve", help="find a schedule that fits a memory budget",
                                 description="Find the fastest schedule of a chain within a memory budget.")
     solve.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
@@ -119,6 +141,75 @@ def _profile(args) -> None:
                           throughput=args.throughput, progress=progress)
     save_chain(chain, args.output)
     print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
+
+
+def _train(args) -> None:
+    from profiles.chain_profiler import checked_device
+    from profiles.spec import load_model
+
+    checked_device(args.device)
+    model, _ = load_model(args.spec, batch=args.batch)
+    if args.plan:
+        plan = load_plan(args.plan)
+        chain = load_chain(args.chain) if args.chain else None
+        if chain is not None:
+            check_plan_matches(plan, chain, plan_where=args.plan)
+    else:
+        if not args.budget:
+            raise MemschedError("train needs --budget (or a ready --plan)")
+        chain = load_chain(args.chain) if args.chain else _profile_quietly(model, args.device)
+        budget = parse_budget(args.budget, solvers.store_all_peak(chain))
+        plan = solvers.solve(chain, budget, args.solver)
+        print("\n".join(render.solve_summary(plan, args.solver)))
+    _train_and_report(model, plan, chain, args.steps, args.device, args.lr)
+
+
+def _demo(args) -> None:
+    from profiles.spec import load_model
+
+    model, _ = load_model("gpt-tiny")
+    print("memsched demo: the built-in gpt-tiny, trained at half the memory of storing every activation\n")
+    chain = _profile_quietly(model, "cpu")
+    print("\n".join(render.chain_table(chain)) + "\n")
+    budget = parse_budget("50%", solvers.store_all_peak(chain))
+    plan = solvers.solve(chain, budget, "rotor")
+    print("\n".join(render.solve_summary(plan, "rotor")))
+    print("schedule:\n  " + "\n  ".join(render.compact_schedule(plan.schedule, width=76).splitlines()) + "\n")
+    result = simulate(chain, plan)
+    print("\n".join(render.ascii_timeline(result, plan.budget_bytes)) + "\n")
+    if args.plot:
+        plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
+        print(f"timeline plot written to {args.plot}\n")
+    _train_and_report(model, plan, chain, args.steps, "cpu", 1e-3)
+
+
+def _profile_quietly(model, device):
+    from profiles.chain_profiler import profile_chain
+
+    print(f"profiling {model.name} on {device} ({len(model.stages)} stages)...", file=sys.stderr, flush=True)
+    return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device, name=model.name)
+
+
+def _train_and_report(model, plan, chain, steps, device, lr) -> None:
+    """Train by ``plan`` and, for reference, the unmodified model; print measured against predicted."""
+    import torch
+
+    from planner.executor import apply_plan
+    from planner.training import measure_steps, plain_forward
+    from profiles.chain_profiler import named_stages
+
+    stages = [(name, module.to(device)) for name, module in named_stages(model.stages)]
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in model.example_inputs)
+    planned = apply_plan(stages, plan, chain)
+    parameters = [p for p in planned.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    loss_fn = model.loss_fn or (lambda out: out.float().mean())
+    for parameter in parameters:  # optimizer state exists before the first measured window, as in steady state
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    measured = measure_steps(planned, loss_fn, inputs, parameters, optimizer, steps, device)
+    plain = measure_steps(lambda *xs: plain_forward(stages, xs), loss_fn, inputs, parameters, optimizer, steps, device)
+    print("\n".join(render.training_table(plan, measured, plain)))
 
 
 def _solve(args) -> None:

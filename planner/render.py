@@ -194,3 +194,23 @@ def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
     """``[#########.........] 12/40 block11`` for ``done`` of ``total`` items."""
     filled = width * done // max(total, 1)
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
+
+
+def training_table(plan, measured, plain) -> list:
+    """Per step: measured against predicted peak and time; then the planned steps against the unmodified model's."""
+    predicted = plan.predicted
+    lines = [f"{'step':>4} {'loss':>9} {'measured peak':>15} {'predicted':>11} {'ratio':>6} {'budget':>6} "
+             f"{'measured s':>11} {'predicted s':>11}"]
+    for number, step in enumerate(measured, 1):
+        lines.append(f"{number:4d} {step.loss:9.4f} {format_bytes(step.peak_bytes):>15} {format_bytes(predicted.peak_bytes):>11} "
+                     f"{step.peak_bytes / predicted.peak_bytes:6.3f} {step.peak_bytes / plan.budget_bytes:6.3f} "
+                     f"{step.seconds:11.4f} {predicted.time:11.4f}")
+    peak = max(step.peak_bytes for step in measured)
+    plain_peak = max(step.peak_bytes for step in plain)
+    seconds = sorted(step.seconds for step in measured)[len(measured) // 2]
+    plain_seconds = sorted(step.seconds for step in plain)[len(plain) // 2]
+    lines.append(f"unmodified model: peak {format_bytes(plain_peak)}, {plain_seconds:.4f} s per step (median)")
+    lines.append(f"with the plan:    peak {format_bytes(peak)} ({1 - peak / plain_peak:.1%} less memory, "
+                 f"{peak / predicted.peak_bytes:.3f} of predicted), {seconds:.4f} s per step "
+                 f"({seconds / plain_seconds - 1:+.1%} time, predicted {predicted.overhead:+.1%})")
+    return lines

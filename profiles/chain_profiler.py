@@ -87,7 +87,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     loss_fn = loss_fn or _mean_of_output
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
     if device is not None:
-        device = _checked_device(device)
+        device = checked_device(device)
         with fake_mode or contextlib.nullcontext():  # fake tensors move under their own mode
             pairs = [(stage_name, module.to(device) if isinstance(module, torch.nn.Module) else module)
                      for stage_name, module in pairs]
@@ -145,7 +145,8 @@ def _fake_mode(pairs, inputs):
                         "(profiles.chain_profiler.build_fake(factory) does it)")
 
 
-def _checked_device(device) -> torch.device:
+def checked_device(device) -> torch.device:
+    """``device`` as a torch device, or a one-line error when it is CUDA and this machine has none."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemschedError("--device cuda: CUDA is not available on this machine; use --device cpu")
