@@ -107,10 +107,10 @@ def _output_releases(schedule, length) -> dict:
 
 
 class _Graph:
-    """Stage i's autograd graph: its leaf input, its output while still read, and the output's gradient edges."""
+    """Stage i's autograd graph: its leaf inputs, its output while still read, and the output's gradient edges."""
 
-    def __init__(self, leaf, output):
-        self.leaf, self.output = leaf, output
+    def __init__(self, leaf, extra, output):
+        self.leaf, self.extra, self.output = leaf, extra, output
         self.edges = [get_gradient_edge(t) if t.requires_grad else None
                       for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
 
@@ -124,6 +124,7 @@ class _Run:
         self.acts = {0: first}  # standalone activations a_i
         self.graphs = {}  # i -> _Graph of stage i: ā_{i+1}
         self.grads = {}  # i -> δ_i, one entry per tensor of a_i (None where none)
+        self.extra_grads = [None] * len([t for t in tree_flatten(extra)[0] if isinstance(t, torch.Tensor)])
         self.forwarded = set()  # stages whose first forward has run
         self.rng = {}  # stage -> generator states of its first forward (recomputed stages only)
         self.autocast = _autocast_state()
@@ -158,8 +159,9 @@ class _Run:
         with self._replay(i, module):
             if op.kind == "F_all":
                 leaf = _leaf(source, requires_grad=i > 0 or _any_requires_grad(source))
+                extra = _leaf(self.extra, requires_grad=True) if _any_requires_grad(self.extra) else self.extra
                 with torch.enable_grad():
-                    self.graphs[i] = _Graph(leaf, module(leaf, *self.extra))
+                    self.graphs[i] = _Graph(leaf, extra, module(leaf, *extra))
             else:
                 with torch.no_grad():
                     self.acts[i + 1] = module(source, *self.extra)
@@ -172,19 +174,20 @@ class _Run:
         incoming = self.grads.pop(i + 1)
         parameters = [p for p in self.planned.stages[i].parameters() if p.requires_grad]
         leaves = [t for t in tree_flatten(graph.leaf)[0] if isinstance(t, torch.Tensor)]
-        targets = [t for t in leaves if t.requires_grad]
+        extras = [t for t in tree_flatten(graph.extra)[0] if isinstance(t, torch.Tensor)]
+        targets = [t for t in leaves + extras if t.requires_grad]
         pairs = [(edge, grad) for edge, grad in zip(graph.edges, incoming) if edge is not None and grad is not None]
         del incoming, graph
         results = _differentiate(pairs, targets + parameters) if pairs and targets + parameters else \
             [None] * (len(targets) + len(parameters))
-        for parameter, grad in zip(parameters, results[len(targets):]):
-            if grad is not None:  # as AccumulateGrad: take the first gradient, add later ones in place
-                if parameter.grad is None:
-                    parameter.grad = grad
-                else:
-                    parameter.grad += grad
+        _accumulate(parameters, results[len(targets):])
         by_target = iter(results[:len(targets)])
         self.grads[i] = [next(by_target) if t.requires_grad else None for t in leaves]
+        for k, tensor in enumerate(extras):  # extra inputs (an encoder's output) gather gradients from every stage
+            if tensor.requires_grad:
+                grad = next(by_target)
+                if grad is not None:
+                    self.extra_grads[k] = grad if self.extra_grads[k] is None else self.extra_grads[k] + grad
         if i > 0:
             self.acts.pop(i, None)
 
@@ -203,6 +206,25 @@ class _Run:
             yield
 
 
+def _accumulate(parameters, grads) -> None:
+    """Add gradients into ``.grad`` as autograd's AccumulateGrad does.
+
+    The first gradient is taken as it is when it is a dense tensor of the parameter's layout used for no
+    other parameter; otherwise (an expanded or shared result) it is copied. Later ones are added in place.
+    """
+    taken = set()
+    for parameter, grad in zip(parameters, grads):
+        if grad is None:
+            continue
+        if parameter.grad is not None:
+            parameter.grad.add_(grad)
+        elif grad.stride() == parameter.stride() and grad.is_contiguous() and grad.data_ptr() not in taken:
+            taken.add(grad.data_ptr())
+            parameter.grad = grad.detach()
+        else:
+            parameter.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+
+
 def _differentiate(pairs, inputs) -> list:
     """Gradients of ``inputs`` from ``[(gradient edge, incoming gradient), ...]``, autograd owning the gradients.
 
@@ -214,17 +236,20 @@ def _differentiate(pairs, inputs) -> list:
     by_node = {}
     for k, (edge, _) in enumerate(pairs):
         by_node.setdefault(edge.node, []).append((edge.output_nr, k))
+    placeholders = [torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape) for _, grad in pairs]
 
     def swap_in(entries):
         def hook(grad_outputs):
             grads = list(grad_outputs)
             for output_nr, k in entries:
-                grads[output_nr] = holder.pop(k)
+                grad, arrived = holder.pop(k), grads[output_nr]
+                untouched = arrived is None or arrived.data_ptr() == placeholders[k].data_ptr()
+                # Another output of the stage derived from this one may have added to the placeholder.
+                grads[output_nr] = grad if untouched else arrived + grad
             return tuple(grads)
 
         return hook
 
-    placeholders = [torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape) for _, grad in pairs]
     edges = [edge for edge, _ in pairs]
     del pairs
     handles = [node.register_prehook(swap_in(entries)) for node, entries in by_node.items()]
@@ -247,8 +272,9 @@ class _Schedule(torch.autograd.Function):
         leaves, run.output_spec = tree_flatten(last)
         outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves)
         del last, leaves
+        run.acts.pop(len(planned.stages), None)  # the loss holds what it needs of a_L; δ_L takes its place
         run.release(planned.loss_position)
-        ctx.run, ctx.input_count = run, len(flat_inputs)
+        ctx.run = run
         ctx.mark_non_differentiable(*[t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()])
         return outputs
 
@@ -257,13 +283,11 @@ class _Schedule(torch.autograd.Function):
     def backward(ctx, *placeholders):
         run = ctx.run
         del ctx.run
-        planned, length = run.planned, len(run.planned.stages)
-        run.acts.pop(length, None)  # δ_L takes the place of a standalone a_L
+        planned = run.planned
         for position in range(planned.loss_position + 1, len(planned.plan.schedule)):
             run.run(position)
-        first_grads = run.grads.pop(0, [])
-        grads = list(first_grads) + [None] * (ctx.input_count - len(first_grads))
-        return (None, None, *grads[:ctx.input_count])
+        grads = list(run.grads.pop(0)) + run.extra_grads
+        return (None, None, *grads)
 
 
 class _Capture(torch.autograd.Function):
