@@ -35,28 +35,37 @@ def plain_forward(stages, inputs):
 
 
 def measure_steps(forward, loss_fn, inputs, parameters, optimizer, steps: int, device) -> list:
-    """Run ``steps`` training steps of ``loss_fn(forward(*inputs))``, measuring each."""
+    """Run ``steps`` training steps of ``loss_fn(forward(*inputs))``, measuring each.
+
+    On CPU each step runs twice: once under the live-memory tracker for its peak, whose dispatch hook would
+    slow it, then once timed; the optimizer steps on the timed run's gradients. On CUDA one run gives both.
+    """
     device = torch.device(device)
     input_bytes = storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
-    measures = []
-    for _ in range(steps):
+
+    def step():
         for parameter in parameters:
             parameter.grad = None
+        loss = loss_fn(forward(*inputs))
+        loss.backward()
+        return float(loss.detach())
+
+    measures = []
+    for _ in range(steps):
         with memory_meter(device) as meter:
             start = meter.current
-            _synchronize(device)
-            started = time.perf_counter()
-            loss = loss_fn(forward(*inputs))
-            loss.backward()
-            _synchronize(device)
-            seconds = time.perf_counter() - started
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                started = time.perf_counter()
+            loss = step()
             peak = meter.peak - start
-        measures.append(StepMeasure(peak_bytes=peak + input_bytes, seconds=seconds, loss=float(loss.detach())))
-        del loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+        else:
+            started = time.perf_counter()
+            loss = step()
+            seconds = time.perf_counter() - started
+        measures.append(StepMeasure(peak_bytes=peak + input_bytes, seconds=seconds, loss=loss))
         optimizer.step()
     return measures
-
-
-def _synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -104,7 +104,7 @@ def build_mlp(*, layers: int = 32, width: int = 128, batch: int = 2048) -> Chain
         labels = torch.randint(0, width, (batch,), dtype=torch.int64)
 
     def loss_fn(out):
-        return F.cross_entropy(out, labels)
+        return F.cross_entropy(out, labels.to(out.device))  # the targets follow the model to its device
 
     return ChainModel("mlp", stages, (x,), loss_fn, opts)
 
@@ -200,7 +200,7 @@ def build_gpt_tiny(*, layers: int = 4, d: int = 128, heads: int = 4, seq: int = 
         target = torch.randint(0, vocab, (batch * seq,), dtype=torch.int64)
 
     def loss_fn(logits):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.to(logits.device))
 
     return ChainModel("gpt-tiny", stages, (ids,), loss_fn, opts)
 
@@ -267,7 +267,7 @@ def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, cl
         labels = torch.randint(0, classes, (batch,), dtype=torch.int64)
 
     def loss_fn(logits):
-        return F.cross_entropy(logits, labels)
+        return F.cross_entropy(logits, labels.to(logits.device))
 
     return ChainModel("resnet-tiny", stages, (images,), loss_fn, opts)
 

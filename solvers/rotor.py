@@ -31,6 +31,11 @@ from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 
+# Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
+# PyTorch work that follows a solve (profile, solve and train share one process) by up to 20x on 2 cores;
+# the workqueue layer lets them sleep. It must be chosen before the first parallel call.
+numba.config.THREADING_LAYER = "workqueue"
+
 DEFAULT_SLOTS = 500
 
 
