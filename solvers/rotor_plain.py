@@ -33,10 +33,11 @@ def compute_table_plain(arrays: RotorArrays, top: int):
             for m in range(top + 1):
                 best = math.inf
                 advance = 0.0
+                forwards = held + x[i + 1] + nograd_tmp[i]  # F_ck i, then F_none k for i < k < j
                 for j in range(i + 1, end + 1):
                     advance += fwd_time[j - 1]
-                    forwards = max([held + x[i + 1] + nograd_tmp[i]]
-                                   + [held + x[k] + x[k + 1] + nograd_tmp[k] for k in range(i + 1, j)])
+                    if j > i + 1:
+                        forwards = max(forwards, held + x[j - 1] + x[j] + nograd_tmp[j - 1])
                     later_params = prefix[end + 1] - prefix[j]
                     if m >= forwards and m >= x[j] and m >= later_params:
                         cost = advance + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
