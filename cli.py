@@ -196,14 +196,14 @@ def _train_and_report(model, plan, chain, steps, device, lr) -> None:
 
     from planner.executor import apply_plan
     from planner.training import measure_steps, plain_forward
-    from profiles.chain_profiler import named_stages
+    from profiles.chain_profiler import default_loss, named_stages
 
     stages = [(name, module.to(device)) for name, module in named_stages(model.stages)]
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in model.example_inputs)
     planned = apply_plan(stages, plan, chain)
     parameters = [p for p in planned.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=lr)
-    loss_fn = model.loss_fn or (lambda out: out.float().mean())
+    loss_fn = model.loss_fn or default_loss
     for parameter in parameters:  # optimizer state exists before the first measured window, as in steady state
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()

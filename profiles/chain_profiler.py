@@ -84,7 +84,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not inputs:
         raise MemschedError("example_inputs is empty: give the first stage's input")
-    loss_fn = loss_fn or _mean_of_output
+    loss_fn = loss_fn or default_loss
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
     if device is not None:
         device = checked_device(device)
@@ -127,7 +127,8 @@ def _quiet_fake_tensor_log():
         logger.setLevel(level)
 
 
-def _mean_of_output(output):
+def default_loss(output):
+    """The loss used when a model gives none: the mean of the first tensor of the last output."""
     return _tensors(output)[0].float().mean()
 
 

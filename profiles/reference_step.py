@@ -11,6 +11,7 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten
 
+from profiles.chain_profiler import default_loss
 from profiles.memory import memory_meter, storage_bytes
 
 
@@ -24,8 +25,7 @@ def _forward(model):
 
 def _run(model) -> None:
     """``loss_fn(model(x)).backward()``: as usual, nothing but autograd holds the model's output."""
-    loss_fn = model.loss_fn or (lambda out: [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)][0].float().mean())
-    loss_fn(_forward(model)).backward()
+    (model.loss_fn or default_loss)(_forward(model)).backward()
 
 
 def _parameters(model) -> list:

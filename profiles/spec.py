@@ -82,10 +82,11 @@ def _as_model(built, name, spec):
         raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) or (stages, example_inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
     stages, example_inputs = built[0], built[1]
-    loss_fn = built[2] if len(built) == 3 else None
-    if loss_fn is not None and not callable(loss_fn):
+    from profiles.chain_profiler import default_loss, named_stages
+
+    loss_fn = built[2] if len(built) == 3 else default_loss
+    if not callable(loss_fn):
         raise MemschedError(f"{spec}: the factory's loss_fn must be callable, got {type(loss_fn).__name__}")
-    from profiles.chain_profiler import named_stages
 
     return zoo.ChainModel(name=name, stages=named_stages(stages),
                           example_inputs=example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),

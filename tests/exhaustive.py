@@ -18,57 +18,46 @@ def _moves(length: int):
     yield Op("Loss")
 
 
-def fastest_time(chain, budget: int) -> float:
-    """Least total seconds over all schedules whose every operation peaks within ``budget`` (inf if none)."""
+def _cheapest_completion(chain, start_cost, extend):
+    """Dijkstra over simulator states: the least cost of a complete schedule, or None if none exists.
+
+    ``extend(cost, peak, seconds)`` is the cost after one more operation (None to forbid it); it must never
+    decrease the cost.
+    """
     simulator = ChainSimulator(chain)
     start = simulator.initial_state()
-    if start.memory > budget:
-        return float("inf")
     moves = list(_moves(chain.length))
-    best = {start: 0.0}
+    best = {start: start_cost}
     counter = itertools.count()
-    queue = [(0.0, next(counter), start)]
+    queue = [(start_cost, next(counter), start)]
     while queue:
-        elapsed, _, state = heapq.heappop(queue)
-        if elapsed > best[state]:
+        cost, _, state = heapq.heappop(queue)
+        if cost > best[state]:
             continue
         if simulator.is_complete(state):
-            return elapsed
+            return cost
         for op in moves:
             try:
                 new, peak, seconds = simulator.step(state, op)
             except ValueError:
                 continue
-            if peak > budget:
-                continue
-            total = elapsed + seconds
-            if total < best.get(new, float("inf")):
+            total = extend(cost, peak, seconds)
+            if total is not None and total < best.get(new, float("inf")):
                 best[new] = total
                 heapq.heappush(queue, (total, next(counter), new))
-    return float("inf")
+    return None
+
+
+def fastest_time(chain, budget: int) -> float:
+    """Least total seconds over all schedules whose every operation peaks within ``budget`` (inf if none)."""
+    if chain.input_bytes > budget:
+        return float("inf")
+    found = _cheapest_completion(chain, 0.0, lambda elapsed, peak, seconds: elapsed + seconds if peak <= budget else None)
+    return float("inf") if found is None else found
 
 
 def least_peak(chain) -> int:
     """Smallest peak over all complete schedules (a minimax path search)."""
-    simulator = ChainSimulator(chain)
-    start = simulator.initial_state()
-    moves = list(_moves(chain.length))
-    best = {start: start.memory}
-    counter = itertools.count()
-    queue = [(start.memory, next(counter), start)]
-    while queue:
-        peak_so_far, _, state = heapq.heappop(queue)
-        if peak_so_far > best[state]:
-            continue
-        if simulator.is_complete(state):
-            return peak_so_far
-        for op in moves:
-            try:
-                new, peak, _ = simulator.step(state, op)
-            except ValueError:
-                continue
-            candidate = max(peak_so_far, peak)
-            if candidate < best.get(new, float("inf")):
-                best[new] = candidate
-                heapq.heappush(queue, (candidate, next(counter), new))
-    raise AssertionError("no complete schedule")
+    found = _cheapest_completion(chain, chain.input_bytes, lambda so_far, peak, _: max(so_far, peak))
+    assert found is not None, "no complete schedule"
+    return found
