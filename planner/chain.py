@@ -7,6 +7,11 @@ input. Per stage, in seconds and bytes:
 * ``out_bytes``: size of ``a_{i+1}`` (and of its gradient ``δ_{i+1}``);
 * ``saved_bytes``: size of ``ā_{i+1}``, everything the stage keeps for its
   backward when run with autograd, its output included (``>= out_bytes``);
+* ``own_saved_bytes``: what ``ā_{i+1}`` shrinks to once ``δ_{i+1}`` exists
+  and no later operation can read ``a_{i+1}``: ``saved_bytes`` less the
+  outputs the stage's own backward does not read (a residual sum is read by
+  the next stage, not by the addition). ``saved_bytes`` when absent, and
+  between ``saved_bytes − out_bytes`` and ``saved_bytes``;
 * ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward
   with autograd / the backward above the resident memory and what it keeps
   (``saved_bytes`` for the forward, the input gradient for the backward; the
@@ -35,7 +40,7 @@ from planner.jsonio import read_json, write_json_atomic
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
-                 "bwd_tmp_bytes", "param_bytes")
+                 "bwd_tmp_bytes", "param_bytes", "own_saved_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes")
 
@@ -53,10 +58,19 @@ class Stage:
     bwd_tmp_bytes: int = 0
     param_bytes: int = 0
     nograd_tmp_bytes: int = None  # None: as fwd_tmp_bytes
+    own_saved_bytes: int = None  # None: as saved_bytes
 
     def __post_init__(self):
         if self.nograd_tmp_bytes is None:
             object.__setattr__(self, "nograd_tmp_bytes", self.fwd_tmp_bytes)
+        if self.own_saved_bytes is None:
+            object.__setattr__(self, "own_saved_bytes", self.saved_bytes)
+
+    def to_dict(self) -> dict:
+        """The stage's JSON object; ``own_saved_bytes`` only where it differs from ``saved_bytes`` (its default),
+        so that chains without it keep their fingerprints."""
+        fields = [f for f in _STAGE_FIELDS if f != "own_saved_bytes" or self.own_saved_bytes != self.saved_bytes]
+        return {field: getattr(self, field) for field in fields}
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,7 @@ class Chain:
             "name": self.name,
             "device": self.device,
             "input_bytes": self.input_bytes,
-            "stages": [{field: getattr(s, field) for field in _STAGE_FIELDS} for s in self.stages],
+            "stages": [s.to_dict() for s in self.stages],
             "loss": {"bwd_time": self.loss.bwd_time, "tmp_bytes": self.loss.tmp_bytes},
         }
 
@@ -156,6 +170,14 @@ def _stage_from_dict(raw, where: str, index: int) -> Stage:
         raise MemschedError(
             f"{where}.saved_bytes = {values['saved_bytes']} is below out_bytes = {values['out_bytes']}; "
             "saved_bytes includes the stage's output, so it must be >= out_bytes"
+        )
+    own = values["own_saved_bytes"] = validate.non_negative_bytes(raw.get("own_saved_bytes", values["saved_bytes"]),
+                                                                  f"{where}.own_saved_bytes")
+    if not values["saved_bytes"] - values["out_bytes"] <= own <= values["saved_bytes"]:
+        raise MemschedError(
+            f"{where}.own_saved_bytes = {own} must be between saved_bytes - out_bytes = "
+            f"{values['saved_bytes'] - values['out_bytes']} and saved_bytes = {values['saved_bytes']} "
+            "(it is saved_bytes less the outputs the stage's backward does not read)"
         )
     return Stage(**values)
 

@@ -19,6 +19,14 @@ What is held follows the simulator's model (planner/simulator.py):
   parameter gradients into ``.grad`` as autograd does, keeps ``δ_i``, and
   drops the graph and a standalone ``a_i``.
 
+Stages run as one autograd graph where the plan allows it: when ``F_all i``
+directly follows ``F_all i-1`` and ``B i-1`` directly follows ``B i`` (with no
+forward of either stage between), stage i runs on stage i-1's output itself
+rather than on a detached copy, and one ``autograd.grad`` call does both
+backwards at ``B i``. Memory is the same (autograd frees each saved tensor and
+gradient as a plain backward does); the per-stage bookkeeping is saved, so the
+store-all plan runs as the plain step does.
+
 Recomputed forwards replay the random numbers of the stage's first forward
 (CPU and CUDA generators, as ``torch.utils.checkpoint`` does) and its autocast
 state, and leave the running statistics of normalisation layers as the first
@@ -66,6 +74,7 @@ class PlannedChain(torch.nn.Module):
         self.plan = plan
         self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
         self.releases = _output_releases(plan.schedule, len(pairs))
+        self.continued, self.absorbed = _fused_positions(plan.schedule)
         counts = {}
         for op in plan.schedule:
             if op.kind in FORWARD_OPS:
@@ -106,13 +115,56 @@ def _output_releases(schedule, length) -> dict:
     return releases
 
 
-class _Graph:
-    """Stage i's autograd graph: its leaf inputs, its output while still read, and the output's gradient edges."""
+def _fused_positions(schedule) -> tuple:
+    """``(continued, absorbed)``: positions of ``F_all i`` run on stage i-1's graph, and of the ``B`` done with a later one.
 
-    def __init__(self, leaf, extra, output):
-        self.leaf, self.extra, self.output = leaf, extra, output
-        self.edges = [get_gradient_edge(t) if t.requires_grad else None
-                      for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    ``F_all i`` at position p continues the graph of ``F_all i-1`` at p-1 when its ``B i`` (the first after p)
+    is directly followed by ``B i-1`` and no forward of stage i-1 or i runs between p and that ``B i``. The
+    fused graph's backward runs at ``B i`` of its last stage; the ``B``s of its other stages only release.
+    """
+    backward_of = {}
+    for start, op in enumerate(schedule):
+        if op.kind == "F_all":
+            backward_of[start] = next((q for q in range(start + 1, len(schedule))
+                                       if schedule[q] == ("B", op.stage)), None)
+    continued, absorbed = set(), set()
+    for position, op in enumerate(schedule):
+        if op.kind != "F_all" or position == 0 or schedule[position - 1] != ("F_all", op.stage - 1):
+            continue
+        end = backward_of[position]
+        if end is None or end + 1 >= len(schedule) or schedule[end + 1] != ("B", op.stage - 1):
+            continue
+        if any(later.kind in FORWARD_OPS and later.stage in (op.stage - 1, op.stage)
+               for later in schedule[position + 1:end]):
+            continue
+        continued.add(position)
+        absorbed.add(end + 1)
+    return continued, absorbed
+
+
+class _Graph:
+    """The autograd graph of stages ``first..last``: its leaf inputs, and its output while still read.
+
+    Once the output is read no more, only its gradient edges are kept (the graph frees it unless saved).
+    """
+
+    def __init__(self, leaf, extra, output, stages):
+        self.leaf, self.extra, self.output, self.stages = leaf, extra, output, stages
+        self._edges = None
+
+    def extend(self, stage, output) -> None:
+        """Stage ``stage`` ran on this graph's output: the graph now ends with it."""
+        self.output, self.stages = output, self.stages + (stage,)
+
+    def release_output(self) -> None:
+        self._edges, self.output = self.edges, None
+
+    @property
+    def edges(self) -> list:
+        if self.output is None:
+            return self._edges
+        return [get_gradient_edge(t) if t.requires_grad else None
+                for t in tree_flatten(self.output)[0] if isinstance(t, torch.Tensor)]
 
 
 class _Run:
@@ -142,8 +194,13 @@ class _Run:
     def run(self, position) -> None:
         """Execute the operation at ``position`` of the schedule, then release outputs no longer read."""
         op = self.planned.plan.schedule[position]
-        if op.kind == "B":
+        if position in self.planned.absorbed:  # done by the B of a later stage of the same graph
+            if op.stage > 0:
+                self.acts.pop(op.stage, None)
+        elif op.kind == "B":
             self._backward(op.stage)
+        elif position in self.planned.continued:
+            self._continue(op.stage)
         elif op.kind != "Loss":
             self._forward(op)
         self.release(position)
@@ -151,7 +208,7 @@ class _Run:
     def release(self, position) -> None:
         for i in self.planned.releases.get(position, ()):
             if i in self.graphs:
-                self.graphs[i].output = None
+                self.graphs[i].release_output()
 
     def _forward(self, op) -> None:
         i, module = op.stage, self.planned.stages[op.stage]
@@ -161,7 +218,7 @@ class _Run:
                 leaf = _leaf(source, requires_grad=i > 0 or _any_requires_grad(source))
                 extra = _leaf(self.extra, requires_grad=True) if _any_requires_grad(self.extra) else self.extra
                 with torch.enable_grad():
-                    self.graphs[i] = _Graph(leaf, extra, module(leaf, *extra))
+                    self.graphs[i] = _Graph(leaf, extra, module(leaf, *extra), (i,))
             else:
                 with torch.no_grad():
                     self.acts[i + 1] = module(source, *self.extra)
@@ -169,10 +226,19 @@ class _Run:
         if op.kind == "F_none" and i > 0:
             self.acts.pop(i, None)
 
+    def _continue(self, i) -> None:
+        """``F_all i`` on the output of stage i-1's graph itself, extending that graph to stage i."""
+        graph, module = self.graphs.pop(i - 1), self.planned.stages[i]
+        with self._replay(i, module), torch.enable_grad():
+            graph.extend(i, module(graph.output, *graph.extra))
+        self.graphs[i] = graph
+
     def _backward(self, i) -> None:
         graph = self.graphs.pop(i)
         incoming = self.grads.pop(i + 1)
-        parameters = [p for p in self.planned.stages[i].parameters() if p.requires_grad]
+        first = graph.stages[0]
+        parameters = list({id(p): p for k in graph.stages for p in self.planned.stages[k].parameters()
+                           if p.requires_grad}.values())
         leaves = [t for t in tree_flatten(graph.leaf)[0] if isinstance(t, torch.Tensor)]
         extras = [t for t in tree_flatten(graph.extra)[0] if isinstance(t, torch.Tensor)]
         targets = [t for t in leaves + extras if t.requires_grad]
@@ -182,7 +248,7 @@ class _Run:
             [None] * (len(targets) + len(parameters))
         _accumulate(parameters, results[len(targets):])
         by_target = iter(results[:len(targets)])
-        self.grads[i] = [next(by_target) if t.requires_grad else None for t in leaves]
+        self.grads[first] = [next(by_target) if t.requires_grad else None for t in leaves]
         for k, tensor in enumerate(extras):  # extra inputs (an encoder's output) gather gradients from every stage
             if tensor.requires_grad:
                 grad = next(by_target)
@@ -230,13 +296,16 @@ def _differentiate(pairs, inputs) -> list:
 
     Autograd is given zero-stride placeholders of the right shapes, and a hook on each edge's node swaps in
     the real gradient just before the node runs: from then on autograd alone holds it and frees it once
-    used, as in a plain backward (a gradient passed in directly would live until the call returns).
+    used, as in a plain backward (a gradient passed in directly would live until the call returns). For the
+    same reason ``pairs`` is emptied: the caller's list must not keep the gradients alive.
     """
     holder = {k: grad for k, (_, grad) in enumerate(pairs)}
-    by_node = {}
-    for k, (edge, _) in enumerate(pairs):
-        by_node.setdefault(edge.node, []).append((edge.output_nr, k))
+    edges = [edge for edge, _ in pairs]
     placeholders = [torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape) for _, grad in pairs]
+    pairs.clear()
+    by_node = {}
+    for k, edge in enumerate(edges):  # no loop variable may hold a gradient: it would outlive its use
+        by_node.setdefault(edge.node, []).append((edge.output_nr, k))
 
     def swap_in(entries):
         def hook(grad_outputs):
@@ -250,8 +319,6 @@ def _differentiate(pairs, inputs) -> list:
 
         return hook
 
-    edges = [edge for edge, _ in pairs]
-    del pairs
     handles = [node.register_prehook(swap_in(entries)) for node, entries in by_node.items()]
     try:
         return list(torch.autograd.grad(edges, inputs, placeholders, allow_unused=True))

@@ -7,13 +7,16 @@ It is the judge of every solver. The memory model is that of Beaumont et al.
 * each activation ``a_i`` held *standalone* (a checkpoint, made by ``F_ck`` /
   ``F_none`` of stage i-1): ``out_bytes`` of stage i-1;
 * each ``ā_{i+1}`` made by ``F_all i``: ``saved_bytes`` of stage i (it contains
-  ``a_{i+1}``, which is then available without being held standalone);
+  ``a_{i+1}``, which is then available without being held standalone), and
+  ``own_saved_bytes`` once ``δ_{i+1}`` exists (no operation reads ``a_{i+1}``
+  any more, so an output the stage's backward does not read is freed);
 * each gradient ``δ_i``: the size of ``a_i``;
 * the parameter gradients of every stage whose backward has run.
 
 Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
 
-* ``F_all i`` needs ``a_i``; peak = resident + x̄ + fwd_tmp; then ``ā_{i+1}`` is resident.
+* ``F_all i`` needs ``a_i``; peak = resident + x̄ + fwd_tmp; then ``ā_{i+1}`` is resident
+  (``own_saved_bytes`` of it if ``δ_{i+1}`` exists already).
 * ``F_ck i`` needs ``a_i``; peak = resident + x + nograd_tmp; then ``a_{i+1}`` is resident.
 * ``F_none i`` as ``F_ck i``, then frees ``a_i`` if it was held standalone (never the input,
   never a checkpoint: see below).
@@ -22,7 +25,8 @@ Operations (sizes of stage i: x = out_bytes, x̄ = saved_bytes):
   bwd_tmp (bwd_tmp covers the parameter gradients made so far, since autograd
   frees ``ā_{i+1}`` while it makes them), and at least the memory after it;
   frees ``ā_{i+1}`` and ``δ_{i+1}``, keeps ``δ_i`` and the parameter gradients
-  (param_bytes) until the step ends.
+  (param_bytes) until the step ends; ``ā_i``, if held, shrinks to stage i-1's
+  ``own_saved_bytes`` (as after ``Loss`` for ``ā_L``).
 
 Once ``δ_i`` exists, a standalone checkpoint ``a_i`` is released (so ``δ_i``
 takes its place); an ``a_i`` inside ``ā_i`` stays until ``B i-1`` frees ``ā_i``,
@@ -117,7 +121,7 @@ class ChainSimulator:
             self._need_activation(state, i)
             bit = ~(1 << (i + 1))
             freed = state._replace(abar=state.abar & bit, grad=state.grad & bit)
-            memory = state.memory - stage.saved_bytes - stage.out_bytes + stage.param_bytes
+            memory = state.memory - stage.own_saved_bytes - stage.out_bytes + stage.param_bytes
             new = self._produce_gradient(freed, i, memory)
             peak = max(state.memory + self.act[i] + stage.bwd_tmp_bytes, new.memory)
             return new, peak, stage.bwd_time
@@ -131,7 +135,8 @@ class ChainSimulator:
             if state.abar & out:
                 raise ValueError(f"ā_{i + 1} is already in memory")
             peak = state.memory + stage.saved_bytes + stage.fwd_tmp_bytes
-            new = state._replace(abar=state.abar | out, memory=state.memory + stage.saved_bytes)
+            held = stage.own_saved_bytes if state.grad & out else stage.saved_bytes
+            new = state._replace(abar=state.abar | out, memory=state.memory + held)
             return new, peak, stage.fwd_time
         if (state.standalone | state.abar) & out:
             raise ValueError(f"a_{i + 1} is already in memory")
@@ -151,8 +156,12 @@ class ChainSimulator:
             raise ValueError(f"a_{i} is not in memory (keep it with F_ck, or recompute it)")
 
     def _produce_gradient(self, state: State, i: int, memory: int) -> State:
-        """Mark step ``i`` done and hold ``δ_i``, releasing ``a_i`` if it is a standalone checkpoint."""
+        """Mark step ``i`` done and hold ``δ_i``, releasing ``a_i`` if it is a standalone checkpoint and
+        shrinking ``ā_i`` to what stage i-1's backward reads."""
         bit = 1 << i
+        if i > 0 and state.abar & bit:
+            producer = self.chain.stages[i - 1]
+            memory -= producer.saved_bytes - producer.own_saved_bytes
         if i > 0 and state.standalone & bit:
             standalone, checkpoint = state.standalone & ~bit, state.checkpoint & ~bit
         else:

@@ -8,8 +8,11 @@ model needs (planner/chain.py), measured as the simulator will use it:
 
 * ``out_bytes``: the distinct storages of the output;
 * ``saved_bytes``: what autograd keeps for the stage's backward (through
-  ``saved_tensors_hooks``), the stage's input, the extra inputs and parameters
-  left out, the output included;
+  ``saved_tensors_hooks``), the stage's input, the extra inputs, parameters
+  and buffers left out, the output included;
+* ``own_saved_bytes``: the same without the outputs the hooks did not see
+  (an output the stage's backward does not read, freed once no later
+  operation reads it);
 * ``fwd_tmp_bytes``: the autograd forward's peak above ``saved_bytes``;
   ``nograd_tmp_bytes``: the no-grad forward's peak above ``out_bytes``;
 * ``bwd_tmp_bytes``: the backward's peak above the input gradient (sized as
@@ -200,7 +203,8 @@ class _Runner:
     def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
         """Profile one stage on ``activation``; return ``(Stage, its output detached)``."""
         call = _guarded(k, stage_name, module, extra)
-        parameter_keys = {p.untyped_storage()._cdata for p in _module_parameters(module)}
+        # Parameters and buffers (a causal mask) exist before the step: saving one allocates nothing.
+        parameter_keys = {t.untyped_storage()._cdata for t in _module_parameters(module) + _module_buffers(module)}
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
         with self._meter() as meter:
             stage_input = _fresh_input(activation, needs_grad)
@@ -218,6 +222,7 @@ class _Runner:
             out_bytes = storage_bytes(outputs)
             not_kept = set(storages(_tensors(stage_input) + resident)) | parameter_keys
             kept = {key: size for key, size in packed.items() if key not in not_kept}
+            own_saved_bytes = sum(kept.values())
             kept.update(storages(outputs))
             saved_bytes = sum(kept.values())
             gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
@@ -238,7 +243,7 @@ class _Runner:
         stage = Stage(
             name=stage_name, fwd_time=fwd_time, bwd_time=bwd_time, out_bytes=out_bytes, saved_bytes=saved_bytes,
             fwd_tmp_bytes=max(0, forward_peak - saved_bytes), nograd_tmp_bytes=max(0, no_grad_peak - out_bytes),
-            bwd_tmp_bytes=max(0, backward_peak - input_bytes), param_bytes=param_bytes,
+            bwd_tmp_bytes=max(0, backward_peak - input_bytes), param_bytes=param_bytes, own_saved_bytes=own_saved_bytes,
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
 
@@ -249,8 +254,9 @@ class _Runner:
         holds the output: the last stage runs with autograd first, then the loss gets its output through an
         identity that stops the gradient there (``δ_L`` is made, the stage's backward is not run).
         """
+        source = torch.zeros((), requires_grad=True)  # made before the window opens: the real step has none
+
         def measure(output):
-            source = torch.zeros((), requires_grad=True)
             value = loss_fn(_HandOver.hand(output.pop(), source))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise MemschedError(f"the loss function must return a scalar tensor, got {type(value).__name__}")
@@ -344,6 +350,7 @@ class _HandOver(torch.autograd.Function):
 
     Its backward receives the tensor's gradient (so autograd makes it, as for ``δ_L`` in a whole chain)
     and drops it, so the gradient goes no further; the caller need not keep the tensor to differentiate.
+    It returns no gradient for ``source`` either, so that it allocates nothing the real step would not.
     """
 
     @staticmethod
@@ -352,7 +359,7 @@ class _HandOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, torch.zeros((), dtype=grad.dtype, device=grad.device)
+        return None, None
 
     @staticmethod
     def hand(tree, source):
@@ -383,6 +390,10 @@ def _backward(outputs, stage_input, module) -> None:
 
 def _module_parameters(module) -> list:
     return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+
+
+def _module_buffers(module) -> list:
+    return list(module.buffers()) if isinstance(module, torch.nn.Module) else []
 
 
 def _fresh_input(activation, needs_grad):

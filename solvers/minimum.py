@@ -15,13 +15,13 @@ from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
 @numba.njit(cache=True)
-def _least_memory_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, params, param_prefix):
+def _least_memory_table(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, params, param_prefix):
     """``(need, choice)`` over sub-chains ``i..e``: least bytes and the choice (CHAIN or leaf j) that achieves it."""
     length = len(params) - 1
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
     choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
     for i in range(length + 1):
-        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
+        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
     for span in range(1, length + 1):
         for i in range(length + 1 - span):
             end = i + span
@@ -36,7 +36,7 @@ def _least_memory_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, params, param_pre
                 if leaf < best:
                     best, best_choice = leaf, j
             chain = max(held + xbar[i + 1] + fwd_tmp[i], xbar[i + 1] + need[i + 1, end],
-                        x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+                        x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
             if chain < best:
                 best, best_choice = chain, CHAIN
             need[i, end], choice[i, end] = best, best_choice
@@ -45,7 +45,7 @@ def _least_memory_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, params, param_pre
 
 def _table(chain: Chain):
     a = rotor_arrays(chain)
-    return a, *_least_memory_table(a.x, a.xbar, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.params, a.param_prefix)
+    return a, *_least_memory_table(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.params, a.param_prefix)
 
 
 def minimum_budget(chain: Chain) -> int:

@@ -8,7 +8,8 @@ least time to run the backward of stages ``i..e`` (``e = L`` is the loss) when
 parameter gradients of stages after ``e``. Two choices at ``i``:
 
 * *chain*: ``F_all i``, solve ``i+1..e`` in ``m − x̄_{i+1}``, then ``B i``
-  (checked with the parameter gradients of ``i+1..e`` now resident);
+  (checked with the parameter gradients of ``i+1..e`` now resident, and
+  ``ā_{i+1}`` shrunk to ``own_saved_bytes`` since ``δ_{i+1}`` exists);
 * *leaf j*: ``F_ck i, F_none i+1..j−1`` to reach ``a_j``, solve ``j..e`` in
   ``m − x_j``, then ``i..j−1`` in ``m`` minus the parameter gradients of ``j..e``.
 
@@ -52,13 +53,13 @@ def _relax(best, low, high, step, right, right_shift, left, left_shift):
 
 
 @numba.njit(cache=True, parallel=True)
-def _fill_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt):
+def _fill_table(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt):
     """Fill ``opt[i, e, :]`` for every ``i <= e`` (entries with ``i > e`` are left untouched)."""
     length = len(fwd_time) - 1
     top = opt.shape[2] - 1
     zeros = np.zeros(top + 1)
     for i in numba.prange(length + 1):
-        low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
+        low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
         row = opt[i, i]
         for m in range(top + 1):
             row[m] = fwd_time[i] + bwd_time[i] if m >= low else np.inf
@@ -74,7 +75,7 @@ def _fill_table(x, xbar, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, b
                 low = max(forwards, x[j], later_params)
                 if low <= top:
                     _relax(best, low, top + 1, advance, opt[j, end], x[j], opt[i, j - 1], later_params)
-            low = _chain_need(x, xbar, fwd_tmp, bwd_tmp, param_prefix, i, end)
+            low = _chain_need(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, i, end)
             if low <= top:  # chain: F_all i, solve i+1..e, B i
                 _relax(best, low, top + 1, fwd_time[i] + bwd_time[i], opt[i + 1, end], xbar[i + 1], zeros, 0)
             opt[i, end, :] = best
@@ -92,10 +93,11 @@ def _advance_need(x, nograd_tmp, i, j, end, previous):
 
 
 @numba.njit(cache=True)
-def _chain_need(x, xbar, fwd_tmp, bwd_tmp, param_prefix, i, end):
-    """Units the *chain* choice needs for ``F_all i`` (δ_{e+1} held) and for ``B i`` (gradients of i+1..e held)."""
+def _chain_need(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, i, end):
+    """Units the *chain* choice needs for ``F_all i`` (δ_{e+1} held) and for ``B i`` (gradients of i+1..e held,
+    ``ā_{i+1}`` shrunk to what stage i's backward reads)."""
     return max(xbar[i + 1], x[end + 1] + xbar[i + 1] + fwd_tmp[i],
-               x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
+               x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
 
 
 def final_state_fits(arrays: RotorArrays, top: int) -> bool:
@@ -107,7 +109,7 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
     """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
     size = arrays.length + 1
     opt = np.empty((size, size, top + 1))
-    _fill_table(arrays.x, arrays.xbar, arrays.fwd_tmp, arrays.nograd_tmp, arrays.bwd_tmp, arrays.param_prefix,
+    _fill_table(arrays.x, arrays.xbar, arrays.xown, arrays.fwd_tmp, arrays.nograd_tmp, arrays.bwd_tmp, arrays.param_prefix,
                 arrays.fwd_time, arrays.bwd_time, opt)
     return opt
 
@@ -129,7 +131,7 @@ def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) 
             cost = advance + opt[j, end, m - a.x[j]] + opt[i, j - 1, m - later_params]
             if cost < best:
                 best, choice = cost, j
-    if m >= _chain_need(a.x, a.xbar, a.fwd_tmp, a.bwd_tmp, a.param_prefix, i, end):
+    if m >= _chain_need(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.param_prefix, i, end):
         cost = (a.fwd_time[i] + a.bwd_time[i]) + opt[i + 1, end, m - a.xbar[i + 1]]
         if cost < best:
             best, choice = cost, CHAIN

@@ -21,6 +21,7 @@ class RotorArrays:
 
     x: np.ndarray  # x[i]: size of a_i and δ_i; x[L+1] = 0
     xbar: np.ndarray  # xbar[i+1]: ā_{i+1} kept by F_all i; xbar[0] = xbar[L+1] = 0
+    xown: np.ndarray  # xown[i+1]: ā_{i+1} once δ_{i+1} exists (own_saved_bytes), as xbar
     fwd_tmp: np.ndarray  # per stage (forward with autograd), loss 0
     nograd_tmp: np.ndarray  # per stage (forward without autograd), loss 0
     bwd_tmp: np.ndarray  # per stage, loss tmp last
@@ -45,6 +46,7 @@ def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
     return RotorArrays(
         x=units([chain.input_bytes] + [s.out_bytes for s in stages] + [0]),
         xbar=units([0] + [s.saved_bytes for s in stages] + [0]),
+        xown=units([0] + [s.own_saved_bytes for s in stages] + [0]),
         fwd_tmp=units([s.fwd_tmp_bytes for s in stages] + [0]),
         nograd_tmp=units([s.nograd_tmp_bytes for s in stages] + [0]),
         bwd_tmp=units([s.bwd_tmp_bytes for s in stages] + [chain.loss.tmp_bytes]),

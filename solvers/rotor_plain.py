@@ -14,6 +14,7 @@ def compute_table_plain(arrays: RotorArrays, top: int):
     """``opt[i][e][m]`` as nested lists (``math.inf`` where infeasible)."""
     x = [int(v) for v in arrays.x]
     xbar = [int(v) for v in arrays.xbar]
+    xown = [int(v) for v in arrays.xown]
     fwd_tmp = [int(v) for v in arrays.fwd_tmp]
     nograd_tmp = [int(v) for v in arrays.nograd_tmp]
     bwd_tmp = [int(v) for v in arrays.bwd_tmp]
@@ -23,7 +24,7 @@ def compute_table_plain(arrays: RotorArrays, top: int):
     length = len(fwd_time) - 1
     opt = [[[math.inf] * (top + 1) for _ in range(length + 1)] for _ in range(length + 1)]
     for i in range(length + 1):
-        need = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
+        need = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
         for m in range(need, top + 1):
             opt[i][i][m] = fwd_time[i] + bwd_time[i]
     for span in range(1, length + 1):
@@ -43,7 +44,7 @@ def compute_table_plain(arrays: RotorArrays, top: int):
                         cost = advance + opt[j][end][m - x[j]] + opt[i][j - 1][m - later_params]
                         best = min(best, cost)
                 chain_ok = (m >= xbar[i + 1] and m >= held + xbar[i + 1] + fwd_tmp[i]
-                            and m - (prefix[end + 1] - prefix[i + 1]) >= x[i] + x[i + 1] + xbar[i + 1] + bwd_tmp[i])
+                            and m - (prefix[end + 1] - prefix[i + 1]) >= x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
                 if chain_ok:
                     best = min(best, fwd_time[i] + bwd_time[i] + opt[i + 1][end][m - xbar[i + 1]])
                 opt[i][end][m] = best

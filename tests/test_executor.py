@@ -709,3 +709,29 @@ def test_stage_names_other_than_the_chains_are_refused(small):
     with pytest.raises(MemschedError) as excinfo:
         apply_plan(renamed, plan, chain)
     _one_line_error(excinfo, "renamed", chain.stages[3].name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages fused into one autograd graph
+
+
+def test_the_store_all_schedule_runs_as_one_graph():
+    from planner.executor import _fused_positions
+    from solvers.extremes import store_all_schedule
+
+    schedule = store_all_schedule(4)  # F_all 0..3, Loss, B 3..0
+    continued, absorbed = _fused_positions(schedule)
+    assert [schedule[p] for p in sorted(continued)] == [Op("F_all", k) for k in (1, 2, 3)]
+    assert [schedule[p] for p in sorted(absorbed)] == [Op("B", k) for k in (2, 1, 0)]
+
+
+def test_fusion_stops_where_the_backwards_are_not_consecutive_or_a_stage_is_recomputed():
+    from planner.executor import _fused_positions
+
+    schedule = (Op("F_ck", 0), Op("F_all", 1), Op("F_all", 2), Op("Loss"), Op("B", 2), Op("B", 1),
+                Op("F_all", 0), Op("B", 0))
+    continued, absorbed = _fused_positions(schedule)
+    assert continued == {2} and absorbed == {5}  # F_all 2 on F_all 1; F_all 0 follows B 1, not F_all
+    recomputed = (Op("F_all", 0), Op("F_all", 1), Op("F_ck", 1), Op("F_all", 2), Op("Loss"), Op("B", 2),
+                  Op("B", 1), Op("B", 0))
+    assert _fused_positions(recomputed) == (set(), set())  # stage 1 is run again inside the (0, 1) pair

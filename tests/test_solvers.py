@@ -53,7 +53,7 @@ def test_rotor_equals_the_published_optimum(reference):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_compiled_table_equals_plain_python_table(seed):
-    chain = random_chain(2 + seed % 7, seed, tmp=seed % 2 == 0, params=seed % 3 != 0)
+    chain = random_chain(2 + seed % 7, seed, tmp=seed % 2 == 0, params=seed % 3 != 0, own_saved=seed % 4 < 2)
     budget = (minimum_budget(chain) + store_all_peak(chain)) // 2
     _, arrays, top = discretise(chain, budget, 60)
     fast = compute_table(arrays, top)
@@ -65,7 +65,7 @@ def test_compiled_table_equals_plain_python_table(seed):
 def _chains_for_exhaustive_search():
     for seed in range(300):
         length = 5 if seed % 5 == 4 else 1 + seed % 4
-        yield seed, small_chain(length, seed, tmp=seed % 2 == 1, params=seed % 3 != 0)
+        yield seed, small_chain(length, seed, tmp=seed % 2 == 1, params=seed % 3 != 0, own_saved=seed % 7 < 3)
 
 
 @pytest.mark.parametrize("seed, chain", list(_chains_for_exhaustive_search()), ids=lambda v: str(v) if isinstance(v, int) else "")
