@@ -16,16 +16,18 @@ For each model (default: the built-in models at their default sizes), in one run
     difference from the plain step (same seed).
 
 Peaks count as ``profiles.reference_step.measured_peak`` does: the inputs plus everything the step
-allocates (live-memory tracker on CPU, the CUDA allocator's statistics on a GPU). Times are wall clock
-(synchronised on CUDA). Every step starts with gradients set to None and the same seed. Parts (b) and (c)
+allocates (live-memory tracker on CPU, the CUDA allocator's statistics on a GPU). Times are the process's
+CPU time on CPU with one thread (see ``Clock``; ``--wall-clock`` for wall clock), wall clock synchronised
+on CUDA. Every step starts with gradients set to None and the same seed. Parts (b) and (c)
 need stages that are modules taking only the activation (no extra inputs); other models get (a) only.
 
 On CPU torch runs one thread unless ``--threads`` says otherwise: when other processes share the cores,
 OpenMP's spinning threads make a 2-thread step 20-50x slower, and erratically, which no median survives;
 one thread keeps the ratios meaningful on a shared machine (``--threads 2`` on a quiet one). The header
 and the last line print the load average. glibc's malloc gets fixed thresholds (``--adaptive-malloc`` to
-keep its default): see ``pin_malloc``. Even so, single steps on a shared VM vary by 10-20%: the steps
-compared are interleaved, but read differences of a few percent as noise.
+keep its default): see ``pin_malloc``. Even so, single steps on a shared VM vary by a few percent (cache
+and memory bandwidth are shared too): the steps compared are interleaved, but read differences of a few
+percent as noise.
 bench/gpu_check.py runs the same checks on a GPU with CUDA events.
 """
 
@@ -66,11 +68,23 @@ MIB = 2 ** 20
 # Measuring
 
 
-class WallClock:
-    """Seconds by wall clock (synchronised on CUDA) and peaks by ``memory_meter``."""
+class Clock:
+    """Seconds of a step and peaks by ``memory_meter``.
 
-    def __init__(self, device):
+    On CUDA: wall clock, synchronised. On CPU: the process's CPU time (``time.process_time``) by default, the
+    wall clock with ``--wall-clock``. With one torch thread the step runs on the calling thread (autograd's
+    CPU work included), so its CPU time is its compute time, and time the scheduler gives to other processes
+    on a shared machine is not counted, where a wall clock counts it (this machine's other jobs made wall
+    clock medians vary by up to 30% between identical steps).
+    """
+
+    def __init__(self, device, wall=False):
         self.device = torch.device(device)
+        self.now = time.perf_counter if wall or self.device.type == "cuda" else time.process_time
+
+    @property
+    def label(self) -> str:
+        return "wall clock" if self.now is time.perf_counter else "process CPU time"
 
     def synchronize(self):
         if self.device.type == "cuda":
@@ -78,10 +92,10 @@ class WallClock:
 
     def seconds(self, work) -> float:
         self.synchronize()
-        started = time.perf_counter()
+        started = self.now()
         work()
         self.synchronize()
-        return time.perf_counter() - started
+        return self.now() - started
 
     def allocated_peak(self, work) -> int:
         """Peak bytes ``work()`` allocates above what existed when it started."""
@@ -420,6 +434,8 @@ def main():
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default on cpu: 1; see above; on cuda: torch's default)")
+    parser.add_argument("--wall-clock", action="store_true",
+                        help="time CPU steps by wall clock (default with one thread: process CPU time; see Clock)")
     parser.add_argument("--adaptive-malloc", action="store_true",
                         help="leave glibc's adaptive malloc thresholds alone (default: fixed, see above)")
     args = parser.parse_args()
@@ -432,10 +448,12 @@ def main():
         torch.set_num_threads(threads)
     malloc = "adaptive malloc" if args.adaptive_malloc or not pin_malloc() else "fixed malloc thresholds"
     started = time.perf_counter()
+    clock = Clock(args.device, wall=args.wall_clock or torch.get_num_threads() > 1)
     print(f"executor benchmark on {args.device} (torch {torch.__version__}, {torch.get_num_threads()} threads, {malloc}, "
-          f"load average {load_average()}): median of {args.steps} steps after {args.warmup}, times in ms, peaks in MiB")
+          f"load average {load_average()}): median of {args.steps} steps after {args.warmup} by {clock.label}, "
+          f"times in ms, peaks in MiB")
     try:
-        results = [(spec, run_model(spec, WallClock(args.device), args.device, args.steps, args.warmup))
+        results = [(spec, run_model(spec, clock, args.device, args.steps, args.warmup))
                    for spec in args.specs]
     except MemschedError as exc:
         parser.exit(2, f"bench/executor.py: error: {exc}\n")

@@ -80,6 +80,17 @@ class PlannedChain(torch.nn.Module):
             if op.kind in FORWARD_OPS:
                 counts[op.stage] = counts.get(op.stage, 0) + 1
         self.recomputed = {stage for stage, count in counts.items() if count > 1}
+        # Looked up at every operation: a plain list, and each fused graph's parameters (shared ones once),
+        # taken when the module is built, as an optimizer takes them.
+        self.modules_in_order = list(self.stages)
+        self._graph_parameters = {}
+
+    def graph_parameters(self, stages) -> list:
+        """The parameters of ``stages`` (a fused graph's), each once."""
+        if stages not in self._graph_parameters:
+            self._graph_parameters[stages] = list({id(p): p for k in stages
+                                                   for p in self.modules_in_order[k].parameters()}.values())
+        return self._graph_parameters[stages]
 
     def forward(self, first, *extra):
         if not torch.is_grad_enabled():  # inference: no schedule needed
@@ -211,34 +222,30 @@ class _Run:
                 self.graphs[i].release_output()
 
     def _forward(self, op) -> None:
-        i, module = op.stage, self.planned.stages[op.stage]
+        i, module = op.stage, self.planned.modules_in_order[op.stage]
         source = self.activation(i)
-        with self._replay(i, module):
-            if op.kind == "F_all":
-                leaf = _leaf(source, requires_grad=i > 0 or _any_requires_grad(source))
-                extra = _leaf(self.extra, requires_grad=True) if _any_requires_grad(self.extra) else self.extra
-                with torch.enable_grad():
-                    self.graphs[i] = _Graph(leaf, extra, module(leaf, *extra), (i,))
-            else:
-                with torch.no_grad():
-                    self.acts[i + 1] = module(source, *self.extra)
+        if op.kind == "F_all":  # grad mode is on (_Schedule)
+            leaf = _leaf(source, requires_grad=i > 0 or _any_requires_grad(source))
+            extra = _leaf(self.extra, requires_grad=True) if _any_requires_grad(self.extra) else self.extra
+            self.graphs[i] = _Graph(leaf, extra, self._call(i, module, leaf, *extra), (i,))
+        else:
+            with torch.no_grad():
+                self.acts[i + 1] = self._call(i, module, source, *self.extra)
         del source
         if op.kind == "F_none" and i > 0:
             self.acts.pop(i, None)
 
     def _continue(self, i) -> None:
         """``F_all i`` on the output of stage i-1's graph itself, extending that graph to stage i."""
-        graph, module = self.graphs.pop(i - 1), self.planned.stages[i]
-        with self._replay(i, module), torch.enable_grad():
-            graph.extend(i, module(graph.output, *graph.extra))
+        graph = self.graphs.pop(i - 1)
+        graph.extend(i, self._call(i, self.planned.modules_in_order[i], graph.output, *graph.extra))
         self.graphs[i] = graph
 
     def _backward(self, i) -> None:
         graph = self.graphs.pop(i)
         incoming = self.grads.pop(i + 1)
         first = graph.stages[0]
-        parameters = list({id(p): p for k in graph.stages for p in self.planned.stages[k].parameters()
-                           if p.requires_grad}.values())
+        parameters = [p for p in self.planned.graph_parameters(graph.stages) if p.requires_grad]
         leaves = [t for t in tree_flatten(graph.leaf)[0] if isinstance(t, torch.Tensor)]
         extras = [t for t in tree_flatten(graph.extra)[0] if isinstance(t, torch.Tensor)]
         targets = [t for t in leaves + extras if t.requires_grad]
@@ -257,19 +264,18 @@ class _Run:
         if i > 0:
             self.acts.pop(i, None)
 
-    @contextlib.contextmanager
-    def _replay(self, i, module):
-        """The first forward records the random state; a recomputation replays it and keeps running statistics."""
+    def _call(self, i, module, *args):
+        """``module(*args)`` for stage i. Its first forward records the random state (when the plan recomputes
+        it); a recomputation replays that state and the autocast state, and keeps running statistics."""
         if i not in self.forwarded:
             self.forwarded.add(i)
             if i in self.planned.recomputed:
                 self.rng[i] = _rng_state()
-            yield
-            return
+            return module(*args)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices), _autocast(self.autocast), _running_statistics_kept(module):
             _set_rng_state(self.rng[i])
-            yield
+            return module(*args)
 
 
 def _accumulate(parameters, grads) -> None:
@@ -333,8 +339,9 @@ class _Schedule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, anchor, *flat_inputs):
         planned = run.planned
-        for position in range(planned.loss_position):
-            run.run(position)
+        with torch.enable_grad():  # F_all builds graphs; F_ck and F_none turn it off
+            for position in range(planned.loss_position):
+                run.run(position)
         last = run.activation(len(planned.stages))
         leaves, run.output_spec = tree_flatten(last)
         outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves)
@@ -351,8 +358,9 @@ class _Schedule(torch.autograd.Function):
         run = ctx.run
         del ctx.run
         planned = run.planned
-        for position in range(planned.loss_position + 1, len(planned.plan.schedule)):
-            run.run(position)
+        with torch.enable_grad():
+            for position in range(planned.loss_position + 1, len(planned.plan.schedule)):
+                run.run(position)
         grads = list(run.grads.pop(0)) + run.extra_grads
         return (None, None, *grads)
 

@@ -17,11 +17,14 @@ SCALED = {
     "mlp": {"layers": 3, "width": 48, "batch": 5},
     "gpt-tiny": {"layers": 2, "d": 48, "heads": 3, "seq": 10, "vocab": 37, "batch": 3, "dropout": 0.0},
     "resnet-tiny": {"blocks": 2, "channels": 8, "size": 9, "classes": 4, "batch": 3},
+    "unet-tiny": {"levels": 2, "channels": 4, "size": 8, "classes": 3, "batch": 3},
 }
 STAGES = {
     "mlp": lambda o: [f"layer{i}" for i in range(o["layers"])],
     "gpt-tiny": lambda o: ["embed", *(f"block{i}" for i in range(o["layers"])), "head"],
     "resnet-tiny": lambda o: ["stem", *(f"block{i}" for i in range(o["blocks"])), "head"],
+    "unet-tiny": lambda o: ["stem", *(f"down{k}" for k in range(o["levels"])), "middle",
+                            *(f"up{k}" for k in reversed(range(o["levels"]))), "head"],
 }
 
 
