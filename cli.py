@@ -12,6 +12,11 @@ import sys
 import solvers
 from planner import check_plan_matches, load_chain, load_plan, render, save_chain, save_plan, simulate
 from planner.errors import MemschedError
+from planner.graph import GRAPH_FORMAT, Graph
+from planner.graph_simulator import simulate_graph
+from planner.jsonio import read_json
+from planner.plan import check_graph_plan_matches
+from solvers.graph import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
 from planner.plot import plot_pareto, plot_timeline
 from planner.units import parse_budget
 from solvers.minimum import minimum_budget
@@ -90,23 +95,31 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(command=_demo)
 
     solve = commands.add_parser("solve", help="find a schedule that fits a memory budget",
-                                description="Find the fastest schedule of a chain within a memory budget.")
-    solve.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
+                                description="Find the fastest schedule of a chain or a graph within a memory budget.")
+    solve.add_argument("chain", metavar="PROBLEM.json", help="chain (memsched.chain/1) or graph (memsched.graph/1) problem")
     solve.add_argument("--budget", required=True, metavar="B",
                        help="memory budget: bytes (123456789), a unit (4GiB, 512MB) or a percentage of the "
                             "store-all peak (50%%)")
     solve.add_argument("--solver", default="auto", metavar="NAME",
-                       help=f"one of {', '.join(solvers.SOLVER_NAMES)} (default: auto)")
+                       help=f"one of {', '.join(solvers.SOLVER_NAMES)} for a chain, "
+                            f"{', '.join(GRAPH_SOLVER_NAMES)} for a graph (default: auto)")
+    solve.add_argument("--time-limit", type=float, metavar="SECONDS",
+                       help="graph solvers: stop the search after this long and keep the best schedule found")
+    solve.add_argument("--max-computations", type=_at_least(1), metavar="N",
+                       help="moccasin: computations allowed per node (default: 2)")
+    solve.add_argument("--backend", choices=("highs", "cbc"), help="checkmate, checkmate-lp: MILP solver (default: highs)")
     solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
     solve.add_argument("--segments", type=_at_least(1), metavar="N", help="sqrt: number of segments")
     solve.add_argument("--snapshots", type=_at_least(1), metavar="N", help="revolve: snapshot slots")
     solve.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (memsched.plan/1)")
     solve.set_defaults(command=_solve)
 
-    show = commands.add_parser("show", help="print a plan, and its memory timeline given the chain",
-                               description="Print a plan; with --chain, re-simulate it and draw its memory timeline.")
+    show = commands.add_parser("show", help="print a plan, and its memory timeline given the chain or graph",
+                               description="Print a plan; with --chain (or --graph), re-simulate it and draw its "
+                                           "memory timeline.")
     show.add_argument("plan", metavar="PLAN.json", help="plan (memsched.plan/1)")
     show.add_argument("--chain", metavar="CHAIN.json", help="the chain the plan was solved for")
+    show.add_argument("--graph", metavar="GRAPH.json", help="the graph a graph plan was solved for")
     show.add_argument("--plot", metavar="timeline.png", help="save the memory timeline as a PNG (needs --chain)")
     show.set_defaults(command=_show)
 
@@ -212,7 +225,18 @@ def _train_and_report(model, plan, chain, steps, device, lr) -> None:
     print("\n".join(render.training_table(plan, measured, plain)))
 
 
+def _is_graph_file(path) -> bool:
+    """True when the file's format tag says ``memsched.graph/1`` (a chain, or anything else, is read as a chain)."""
+    return read_json(path).get("format") == GRAPH_FORMAT
+
+
 def _solve(args) -> None:
+    if _is_graph_file(args.chain):
+        _solve_graph(args)
+        return
+    if args.time_limit is not None or args.max_computations is not None or args.backend is not None:
+        raise MemschedError("--time-limit, --max-computations and --backend are for graph problems "
+                            "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
     budget = parse_budget(args.budget, solvers.store_all_peak(chain))
     plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments, snapshots=args.snapshots)
@@ -223,7 +247,86 @@ def _solve(args) -> None:
     print("\n".join(lines))
 
 
+def _solve_graph(args) -> None:
+    if args.slots is not None or args.segments is not None or args.snapshots is not None:
+        raise MemschedError("--slots, --segments and --snapshots are for chain solvers; a graph takes "
+                            "--time-limit, --max-computations (moccasin) and --backend (checkmate)")
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    graph = Graph.from_dict(read_json(args.chain), where=args.chain)
+    budget = parse_budget(args.budget, store_all_graph_peak(graph))
+    plan = solve_graph(graph, budget, args.solver, time_limit=args.time_limit,
+                       max_computations=args.max_computations, backend=args.backend)
+    lines = _graph_summary(plan, args.solver)
+    if args.output:
+        save_plan(plan, args.output)
+        lines.append(f"plan written to {args.output}")
+    print("\n".join(lines))
+
+
+def _optimality(plan) -> str:
+    if plan.optimal:
+        return "yes"
+    return "no" if plan.gap is None else f"no (gap {render.format_percent(plan.gap)} to the solver's bound)"
+
+
+def _graph_summary(plan, requested: str) -> list:
+    """Lines describing a fresh graph plan, as :func:`planner.render.solve_summary` does for chains."""
+    lines = render.solve_summary(plan, requested)
+    lines[0] = f"graph      {plan.problem_name}"
+    lines[6] = f"recomputed {plan.recomputed_forwards} computations"
+    lines[7] = f"solved in  {render.format_seconds(plan.solve_seconds)}, optimal: {_optimality(plan)}"
+    return lines
+
+
+def _graph_compact(schedule, width: int = 76) -> list:
+    """A graph schedule as ranges: ``compute 0-5, free 2, compute 6, free 0-1, ...`` in lines of at most ``width``."""
+    groups = []  # [kind, first node, last node]
+    for op in schedule:
+        if groups and groups[-1][0] == op.kind and op.node == groups[-1][2] + 1:
+            groups[-1][2] = op.node
+        else:
+            groups.append([op.kind, op.node, op.node])
+    lines, line = [], ""
+    for kind, first, last in groups:
+        item = f"{kind} {first}" if first == last else f"{kind} {first}-{last}"
+        candidate = f"{line}, {item}" if line else item
+        if line and len(candidate) + 1 > width:
+            lines.append(line + ",")
+            candidate = item
+        line = candidate
+    return lines + [line]
+
+
+def _graph_timeline(result, plan, graph, width: int = 60) -> list:
+    """The chain's ASCII memory timeline, its letters those of graph operations (the operation peaking in each
+    column, as :func:`planner.render.ascii_timeline` picks it)."""
+    lines = render.ascii_timeline(result, plan.budget_bytes, width=width)
+    steps = result.timeline
+    seen, letters = set(), []
+    for step in steps:
+        node = step.op.node
+        if step.op.kind == "free":
+            letters.append(".")
+        else:
+            letters.append("B" if graph.nodes[node].backward else "R" if node in seen else "F")
+            seen.add(node)
+    count = len(steps)
+    columns = []
+    for c in range(width):
+        first = c * count // width
+        columns.append(max(steps[first:max(first + 1, (c + 1) * count // width)], key=lambda step: step.peak))
+    lines[-3] = lines[-3][:len(lines[-3]) - width] + "".join(letters[step.index] for step in columns)
+    lines[-1] = "F forward, R recomputed forward, B backward (computed or recomputed), . free (the operation peaking " \
+                "in each column)"
+    return lines
+
+
 def _show(args) -> None:
+    plan = load_plan(args.plan)
+    if plan.kind == "graph" or args.graph:
+        _show_graph(args, plan)
+        return
     if args.plot and not args.chain:
         raise MemschedError("--plot draws the memory timeline, which needs the chain: add --chain CHAIN.json")
     plan = load_plan(args.plan)
@@ -236,6 +339,25 @@ def _show(args) -> None:
         if args.plot:
             plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
             lines.append(f"timeline plot written to {args.plot}")
+    print("\n".join(lines))
+
+
+def _show_graph(args, plan) -> None:
+    if args.chain:
+        raise MemschedError(f"{args.plan} is a graph plan: give its graph with --graph GRAPH.json, not --chain")
+    if args.plot:
+        raise MemschedError("--plot draws chain plans; for a graph plan, show prints the memory timeline as text")
+    graph = Graph.from_dict(read_json(args.graph), where=args.graph) if args.graph else None
+    if graph is not None:
+        check_graph_plan_matches(plan, graph, plan_where=args.plan)
+    lines = render.plan_header(plan)
+    params = "".join(f", {key}={value}" for key, value in plan.params.items())
+    lines[1] = f"solver     {plan.solver}{params} (optimal: {_optimality(plan)})"
+    lines[-1] = f"schedule   {len(plan.schedule)} operations, {plan.recomputed_forwards} recomputations:"
+    lines += ["  " + line for line in _graph_compact(plan.schedule)]
+    if graph is not None:
+        result = simulate_graph(graph, plan)
+        lines += [""] + render.simulation_lines(plan, result) + [""] + _graph_timeline(result, plan, graph)
     print("\n".join(lines))
 
 

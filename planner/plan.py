@@ -9,6 +9,10 @@ Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON
 * ``F_none i`` forward of stage i without autograd; frees its input ``a_i`` once used;
 * ``Loss``     the loss and its backward, producing ``δ_L``;
 * ``B i``      backward of stage i, producing ``δ_i``.
+
+A plan of kind ``graph`` schedules a graph problem (planner/graph.py) with
+:class:`GraphOp`: ``compute v`` runs node v, ``free v`` releases its value
+(the graph simulator, planner/graph_simulator.py, gives the rules).
 """
 
 from dataclasses import dataclass, field
@@ -22,6 +26,8 @@ from planner.jsonio import read_json, write_json_atomic
 PLAN_FORMAT = "memsched.plan/1"
 FORWARD_OPS = ("F_all", "F_ck", "F_none")
 OPS = FORWARD_OPS + ("Loss", "B")
+GRAPH_OPS = ("compute", "free")
+KINDS = ("chain", "graph")
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
 
@@ -37,6 +43,19 @@ class Op(NamedTuple):
 
     def to_dict(self) -> dict:
         return {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
+
+
+class GraphOp(NamedTuple):
+    """One operation of a graph schedule: ``kind`` in :data:`GRAPH_OPS`, on node index ``node``."""
+
+    kind: str
+    node: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.node}"
+
+    def to_dict(self) -> dict:
+        return {"op": self.kind, "node": self.node}
 
 
 @dataclass(frozen=True)
@@ -67,10 +86,14 @@ class Plan:
     solve_seconds: float = 0.0
     optimal: bool = False
     kind: str = "chain"
+    gap: Optional[float] = None  # relative gap to the solver's bound, when it reports one (graph solvers)
 
     @property
     def recomputed_forwards(self) -> int:
-        """Forward operations beyond one per stage."""
+        """Forward operations beyond one per stage; on a graph plan, computations beyond one per node."""
+        if self.kind == "graph":
+            computed = [op.node for op in self.schedule if op.kind == "compute"]
+            return len(computed) - len(set(computed))
         return sum(op.kind in FORWARD_OPS for op in self.schedule) - len({op.stage for op in self.schedule if op.kind in FORWARD_OPS})
 
     def to_dict(self) -> dict:
@@ -80,7 +103,7 @@ class Plan:
             "kind": self.kind,
             "problem": {"name": self.problem_name, "fingerprint": self.fingerprint},
             "solver": {"name": self.solver, "params": dict(self.params), "solve_seconds": self.solve_seconds,
-                       "optimal": self.optimal},
+                       "optimal": self.optimal, **({} if self.gap is None else {"gap": self.gap})},
             "budget_bytes": self.budget_bytes,
             "predicted": {"peak_bytes": self.predicted.peak_bytes, "time": self.predicted.time,
                           "baseline_time": self.predicted.baseline_time, "overhead": self.predicted.overhead},
@@ -92,12 +115,13 @@ class Plan:
         """Validate a ``memsched.plan/1`` object; a bad field raises a one-line :class:`MemschedError`."""
         validate.document(data, "plan", 1, _PLAN_FIELDS, where)
         kind = validate.require(data, "kind", where)
-        if kind != "chain":
-            raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched (it reads 'chain' plans)")
+        if kind not in KINDS:
+            raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched "
+                                "(it reads 'chain' and 'graph' plans)")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
-        validate.reject_unknown(solver, ("name", "params", "solve_seconds", "optimal"), f"{where}: solver")
+        validate.reject_unknown(solver, ("name", "params", "solve_seconds", "optimal", "gap"), f"{where}: solver")
         predicted = _object(validate.require(data, "predicted", where), f"{where}: predicted")
         validate.reject_unknown(predicted, _PREDICTED_FIELDS, f"{where}: predicted")
         params = solver.get("params", {})
@@ -115,6 +139,7 @@ class Plan:
             params=params,
             solve_seconds=validate.non_negative_seconds(solver.get("solve_seconds", 0.0), f"{where}: solver.solve_seconds"),
             optimal=optimal,
+            gap=_gap(solver.get("gap"), f"{where}: solver.gap"),
             budget_bytes=validate.non_negative_bytes(validate.require(data, "budget_bytes", where), f"{where}: budget_bytes"),
             predicted=Predicted(
                 peak_bytes=validate.non_negative_bytes(validate.require(predicted, "peak_bytes", f"{where}: predicted"),
@@ -124,8 +149,17 @@ class Plan:
                 baseline_time=validate.non_negative_seconds(
                     validate.require(predicted, "baseline_time", f"{where}: predicted"), f"{where}: predicted.baseline_time"),
             ),
-            schedule=_schedule_from_list(validate.require(data, "schedule", where), f"{where}: schedule"),
+            schedule=(_graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
+                validate.require(data, "schedule", where), f"{where}: schedule"),
         )
+
+
+def _gap(value, where: str):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise MemschedError(f"{where} must be a fraction >= 0 (0.01 for 1%) or null, got {value!r}")
+    return float(value)
 
 
 def _object(value, where: str) -> dict:
@@ -158,13 +192,51 @@ def _schedule_from_list(raw, where: str) -> tuple:
     return tuple(ops)
 
 
+def _graph_schedule_from_list(raw, where: str) -> tuple:
+    if not isinstance(raw, list) or not raw:
+        raise MemschedError(f"{where} must be a non-empty list of operations")
+    ops = []
+    for index, item in enumerate(raw):
+        here = f"{where}[{index}]"
+        if not isinstance(item, dict):
+            raise MemschedError(f"{here} must be an object like {{\"op\": \"compute\", \"node\": 3}}")
+        kind = validate.require(item, "op", here)
+        if kind not in GRAPH_OPS:
+            raise MemschedError(f"{here}: unknown op {kind!r} in a plan of kind 'graph'; expected one of {', '.join(GRAPH_OPS)}")
+        validate.reject_unknown(item, ("op", "node"), here)
+        node = validate.require(item, "node", here)
+        if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+            raise MemschedError(f"{here}: node must be a non-negative integer, got {node!r}")
+        ops.append(GraphOp(kind, node))
+    return tuple(ops)
+
+
+def _check_kind(plan: Plan, kind: str, plan_where: str) -> None:
+    if plan.kind != kind:
+        other = "graph (memsched.graph/1)" if plan.kind == "graph" else "chain (memsched.chain/1)"
+        raise MemschedError(f"{plan_where} is a plan of kind '{plan.kind}', for a {other}, not for a {kind}; "
+                            f"give the {plan.kind} it was solved for, or solve this {kind}")
+
+
 def check_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
     """Refuse to use ``plan`` on a chain other than the one it was solved for."""
+    _check_kind(plan, "chain", plan_where)
     actual = chain.fingerprint()
     if plan.fingerprint != actual:
         raise MemschedError(
             f"{plan_where} was solved for chain '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
             f"not for chain '{chain.name}' ({actual[:19]}…); solve again for this chain"
+        )
+
+
+def check_graph_plan_matches(plan: Plan, graph, plan_where: str = "plan") -> None:
+    """Refuse to use ``plan`` on a graph (:class:`planner.graph.Graph`) other than the one it was solved for."""
+    _check_kind(plan, "graph", plan_where)
+    actual = graph.fingerprint()
+    if plan.fingerprint != actual:
+        raise MemschedError(
+            f"{plan_where} was solved for graph '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
+            f"not for graph '{graph.name}' ({actual[:19]}…); solve again for this graph"
         )
 
 

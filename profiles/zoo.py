@@ -273,9 +273,109 @@ def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, cl
 
 
 # --------------------------------------------------------------------------------------------------
+# unet-tiny
+
+
+def _conv_block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel_size=3, padding=1, **_F32), nn.ReLU())
+
+
+class UNetStem(nn.Module):
+    """Conv3x3(3 -> channels) + ReLU; returns ``(h,)``, the start of the tuple the stages pass on."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.block = _conv_block(3, channels)
+
+    def forward(self, x):
+        return (self.block(x),)
+
+
+class UNetDown(nn.Module):
+    """``(h, *skips) -> (maxpool(y), y, *skips)`` with ``y = conv_block(h)``: ``y`` is a long skip to the decoder."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.block = _conv_block(cin, cout)
+
+    def forward(self, state):
+        h, *skips = state
+        y = self.block(h)
+        return (F.max_pool2d(y, 2), y, *skips)
+
+
+class UNetMiddle(nn.Module):
+    """The bottleneck: ``(h, *skips) -> (conv_block(h), *skips)``."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.block = _conv_block(channels, channels)
+
+    def forward(self, state):
+        h, *skips = state
+        return (self.block(h), *skips)
+
+
+class UNetUp(nn.Module):
+    """``(h, skip, *skips) -> (conv_block(cat(upsample(h), skip)), *skips)``: nearest-neighbour x2 upsampling."""
+
+    def __init__(self, cin: int, cskip: int, cout: int):
+        super().__init__()
+        self.block = _conv_block(cin + cskip, cout)
+
+    def forward(self, state):
+        h, skip, *skips = state
+        return (self.block(torch.cat([F.interpolate(h, scale_factor=2.0, mode="nearest"), skip], dim=1)), *skips)
+
+
+class UNetHead(nn.Module):
+    """Conv1x1(channels -> classes): per-pixel logits (batch, classes, size, size)."""
+
+    def __init__(self, channels: int, classes: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, classes, kernel_size=1, **_F32)
+
+    def forward(self, state):
+        (h,) = state
+        return self.conv(h)
+
+
+def build_unet_tiny(*, levels: int = 2, channels: int = 8, size: int = 16, classes: int = 4,
+                    batch: int = 4) -> ChainModel:
+    """A small U-Net with long skips: ``stem``, ``down0..``, ``middle``, ``up..0``, ``head``; per-pixel cross-entropy.
+
+    Level k works at ``size / 2**k`` with ``channels * 2**k`` channels; ``down k`` hands its full-resolution
+    output to ``up k`` across every deeper stage (the stages pass a tuple ``(h, *skips)``), so the skips
+    of the first levels live from the start of the forward to the end of the backward's decoder part.
+    ``size`` must be a multiple of ``2**levels``.
+    """
+    opts = _resolve("unet-tiny", build_unet_tiny, dict(levels=levels, channels=channels, size=size,
+                                                        classes=classes, batch=batch))
+    if size % (2 ** levels):
+        _fail("unet-tiny", build_unet_tiny, f"option size={size} must be a multiple of 2**levels={2 ** levels}")
+    widths = [channels * 2 ** k for k in range(levels)]  # level k's channels
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        stages = [("stem", UNetStem(channels).train())]
+        stages += [(f"down{k}", UNetDown(widths[max(k - 1, 0)], widths[k]).train()) for k in range(levels)]
+        stages.append(("middle", UNetMiddle(widths[levels - 1]).train()))
+        stages += [(f"up{k}", UNetUp(widths[min(k + 1, levels - 1)], widths[k], widths[k]).train())
+                   for k in reversed(range(levels))]
+        stages.append(("head", UNetHead(channels, classes).train()))
+        images = torch.randn(batch, 3, size, size, **_F32)
+        labels = torch.randint(0, classes, (batch, size, size), dtype=torch.int64)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits, labels.to(logits.device))
+
+    return ChainModel("unet-tiny", stages, (images,), loss_fn, opts)
+
+
+# --------------------------------------------------------------------------------------------------
 # Registry and specs
 
-MODELS = {"mlp": build_mlp, "gpt-tiny": build_gpt_tiny, "resnet-tiny": build_resnet_tiny}
+MODELS = {"mlp": build_mlp, "gpt-tiny": build_gpt_tiny, "resnet-tiny": build_resnet_tiny,
+          "unet-tiny": build_unet_tiny}
 
 
 def defaults(name: str) -> dict:

@@ -1,0 +1,120 @@
+"""The graph executor: runs a graph plan's schedule in a real training step, exactly, and nothing else.
+
+``GraphExecutor(model, plan, graph)`` re-captures the model's joint
+forward+backward graph (profiles/graph_profiler.py, grouped into the same nodes
+the profile measured), checks that it is the graph the plan was solved for, and
+``step(*inputs)`` runs one training step by the plan:
+
+* ``compute v`` runs node v's operations (ATen calls of the captured graph, in
+  graph order, without autograd: the backward is part of the graph), releases
+  every intermediate after its last use inside the node, and keeps the node's
+  value (its results read by other nodes);
+* ``free v`` drops that value; no other reference exists (no interpreter
+  environment survives a node, autograd records nothing), so the memory is
+  released there, as the graph simulator assumes.
+
+Hence the memory the step allocates follows planner/graph_simulator.py: what is
+resident is ``fixed_bytes`` (parameters, buffers, inputs, targets: already
+allocated) plus the values held, and a node needs its ``tmp_bytes`` on top
+while it runs, both measured by running the node exactly this way.
+
+The step is the unmodified model's: a random node (dropout) replays, on
+recomputation, the random state its first computation started from (random
+nodes first run in index order, the order of the eager step, so the masks are
+the eager ones); updated buffers (BatchNorm's running statistics) are written
+into the model by the first computation only; parameter gradients are written
+to ``.grad`` as autograd's AccumulateGrad does (taken when ``.grad`` is
+``None`` and the layout matches, else added). The loss is returned.
+
+This module does not import the solvers: plans come in, steps go out.
+"""
+
+import torch
+
+from planner.errors import MemschedError
+from planner.executor import _accumulate, _rng_state, _set_rng_state
+from planner.graph import Graph
+from planner.graph_simulator import simulate_graph
+from planner.plan import Plan
+from profiles.graph_profiler import StepRun, capture
+
+
+class GraphExecutor:
+    """Runs ``model``'s training step by a graph ``plan`` solved for ``graph`` (see the module docstring).
+
+    ``model``: a :class:`profiles.zoo.ChainModel` (its example inputs and loss are used), or the module or
+    stages given to :func:`profiles.graph_profiler.profile_graph`, with the same ``example_inputs`` and
+    ``loss_fn``. Tensors the loss closes over (targets) are constants of the captured graph: a step reads
+    their current contents, never other tensors.
+    """
+
+    def __init__(self, model, plan: Plan, graph: Graph, example_inputs=None, loss_fn=None):
+        stages = model
+        if hasattr(model, "stages") and hasattr(model, "example_inputs"):
+            stages, example_inputs = model.stages, example_inputs or model.example_inputs
+            loss_fn = loss_fn or model.loss_fn
+        if example_inputs is None:
+            raise MemschedError("GraphExecutor needs example_inputs (the profiled model's) to capture the step")
+        simulate_graph(graph, plan)  # the plan is for this graph and its schedule is valid
+        self.plan, self.graph = plan, graph
+        self.joint = capture(stages, example_inputs, loss_fn, nodes=graph.size)
+        _check_same_graph(self.joint, graph)
+        computes = [op.node for op in plan.schedule if op.kind == "compute"]
+        firsts = list(dict.fromkeys(computes))
+        randoms = [v for v in firsts if graph.nodes[v].random]
+        for earlier, later in zip(randoms, randoms[1:]):
+            if earlier > later:
+                raise MemschedError(f"the plan first computes random node {earlier} before random node {later}; random "
+                                    "nodes must first run in index order (the eager step's dropout masks); solve again")
+        self.replayed = {v for v in set(computes) if graph.nodes[v].random and computes.count(v) > 1}
+        self.example_inputs = self.joint.example_inputs
+        self.loss_group = self.joint.group_of[self.joint.loss_node]
+
+    def step(self, *inputs) -> torch.Tensor:
+        """One training step by the plan on ``inputs`` (default: the example inputs); returns the loss."""
+        inputs = inputs or self.example_inputs
+        if len(inputs) != len(self.example_inputs) or any(
+                not isinstance(t, torch.Tensor) or t.shape != e.shape or t.dtype != e.dtype
+                for t, e in zip(inputs, self.example_inputs)):
+            raise MemschedError("step() takes tensors of the example inputs' shapes and dtypes "
+                                f"({', '.join(f'{tuple(e.shape)} {e.dtype}' for e in self.example_inputs)})")
+        run = StepRun(self.joint, self.joint.fixed_values(inputs))
+        states = {}
+        devices = [self.joint.device] if self.joint.device.type == "cuda" else []
+        for op in self.plan.schedule:
+            v = op.node
+            if op.kind == "free":
+                run.free(v)
+            elif v in self.replayed and v in states:
+                with torch.random.fork_rng(devices=devices):
+                    _set_rng_state(states[v])
+                    run.compute(v)
+            else:
+                if v in self.replayed:
+                    states[v] = _rng_state()
+                run.compute(v)
+        loss = run.values[self.loss_group][self.joint.loss_node]
+        parameters, grads = [], []
+        for node, name in self.joint.param_grads.items():
+            parameter = self.joint.module.get_parameter(name)
+            parameters.append(parameter)
+            grads.append(run.values[self.joint.group_of[node]][node])
+        run.values.clear()
+        _accumulate(parameters, grads)
+        return loss
+
+
+def _check_same_graph(joint, graph: Graph) -> None:
+    """The re-captured groups must be the graph's nodes: names, dependencies, parameters, keep and random."""
+    mismatch = "the plan was solved for another graph"
+    if len(joint.groups) != graph.size:
+        raise MemschedError(f"{mismatch}: this model's captured step has {len(joint.groups)} nodes, the plan's graph "
+                            f"'{graph.name}' {graph.size}; profile this model (memsched profile SPEC --graph) and solve again")
+    for index, (group, node) in enumerate(zip(joint.groups, graph.nodes)):
+        ours = (group.name, tuple(group.deps), tuple(group.params), group.keep, group.random)
+        theirs = (node.name, tuple(node.deps), tuple(node.params), node.keep, node.random)
+        if ours != theirs:
+            field = next(f for f, a, b in zip(("name", "deps", "params", "keep", "random"), ours, theirs) if a != b)
+            raise MemschedError(f"{mismatch}: node {index} differs in {field} ({theirs[0]!r} in the graph '{graph.name}', "
+                                f"{ours[0]!r} in this model's captured step); profile this model and solve again")
+

@@ -1,0 +1,613 @@
+"""Checkmate: the rematerialisation MILP of Jain et al., "Checkmate: Breaking the Memory Wall with Optimal
+Tensor Rematerialization" (MLSys 2020), on a :class:`planner.graph.Graph`.
+
+The schedule is cut into ``n`` *frontier-advancing* stages, one per node: stage
+``t`` computes node ``t`` for the first time, after recomputing any earlier
+nodes it chooses, all in index order. Variables (``i <= t``):
+
+* ``R[t,i]`` binary: node ``i`` is computed in stage ``t`` (``R[t,t] = 1``);
+* ``S[t,i]`` binary (``i < t``): the value of ``i`` is resident when stage ``t`` starts;
+* ``FREE[t,i,k]``: the value of ``i`` is freed right after node ``k`` (one of its
+  consumers, or ``i`` itself) is computed in stage ``t``;
+* ``U[t,k]`` continuous: the bytes resident right after node ``k`` is computed in stage ``t``.
+
+Constraints: a node's dependencies are resident or computed earlier in the
+stage (``R[t,k] <= R[t,i] + S[t,i]``); a value resident at the start of stage
+``t+1`` was resident or computed in stage ``t`` (``S[t+1,i] <= R[t,i] + S[t,i]``);
+``U[t,k] = U[t,k-1] - freed + out(k) R[t,k]``, and ``U[t,k] + tmp(k) R[t,k] <=
+budget - fixed_bytes``. The objective is the total compute time ``Σ time(i)
+R[t,i]``. ``keep`` values are resident from their computation to the end
+(``S = 1``, never recomputed). First computations are in index order, so
+``random`` nodes keep their order by construction.
+
+``FREE`` is carried by a monotone *needed* indicator instead of Checkmate's
+product linearisation: with ``c_1 < … < c_m`` the consumers of ``i`` that can
+run in stage ``t``, ``N[t,i,a] >= N[t,i,a+1]``, ``N[t,i,a] >= R[t,c_{a+1}]``,
+``N[t,i,m] >= S[t+1,i]``, and ``FREE[t,i,c_a] = N[t,i,a-1] - N[t,i,a]``
+(``FREE[t,i,i] = R[t,i] - N[t,i,0]``). It is the same model with two
+constraints per indicator instead of one per later consumer; the indicators
+only lower memory when smaller, so they may be continuous. Further
+reductions, each of which keeps the optimal time (an optimal schedule of the
+class satisfies them all, or becomes one by dropping useless recomputations,
+which never costs time or memory):
+
+* ``R[t,i] + S[t,i] <= 1`` (recomputing a resident value only costs time);
+* ``R[t,i] <= S[t+1,i] + Σ R[t,c]`` over the consumers ``c`` of ``i`` that can run
+  in stage ``t`` (a recomputation nothing reads before the value is freed can
+  be dropped: memory only falls, time does not rise);
+* no ``R[t,i]``/``S[t,i]`` variable for ``i < t`` when no consumer of ``i``
+  can run in stage ``t`` or later (a consumer is a later node, or a
+  recomputable one: not ``keep`` and itself read); a ``keep`` value has ``S = 1``;
+* ``N = 1`` constants where stage ``t``'s own node reads the value;
+* ``U`` only where a node can run, the steps in between summed.
+
+A schedule is read from ``R`` (stage by stage, in index order) and every
+value freed eagerly (:func:`planner.graph.schedule_with_frees`), which holds
+no more than the model's ``U``.
+
+The model is built as a sparse matrix with numpy and handed to HiGHS
+(highspy) in one ``passModel`` call; for CBC the same matrix is written as an
+MPS file and given to the CBC binary bundled with pulp. Both backends start
+from a feasible schedule when the fast heuristic of
+:mod:`solvers.graph_heuristic` finds one within the budget (HiGHS
+``setSolution``, CBC ``-mips``), so a time limit always has an incumbent to
+return once the heuristic succeeded; the start changes no optimum, only the
+search.
+
+``checkmate_lp`` is the paper's approximation for large graphs: the LP
+relaxation, then rounding of ``S`` (deterministic at 1/2, then randomised,
+``S[t,i]`` kept with probability ``S*[t,i]``), ``R`` rebuilt from the rounded
+``S`` as the least recomputation that makes it valid, and a repair: a
+candidate above the budget is dropped, and while none fits the LP is solved
+again at a smaller budget. It is never proven optimal.
+
+Optimality is read from the solver's own status (HiGHS's model status, CBC's
+result line), never from a label that a time limit can also produce. The gap
+is relative to the step time (the objective including the time of every
+first computation), between the schedule and the solver's bound.
+"""
+
+import functools
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import MemschedError
+from planner.graph import Graph, schedule_with_frees
+from planner.graph_simulator import GraphSimulator
+
+BACKENDS = ("highs", "cbc")
+_THREADS = 2
+_ONE = (-1, 1.0)  # a term: (column, constant); column -1 is the constant
+_ZERO = (-1, 0.0)
+
+
+@functools.cache
+def _highspy():
+    """highspy, imported once; its banner (printed on the process's stdout when the first solver object is made)
+    goes to /dev/null."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    return highspy
+
+
+def _silence_highs_banner() -> None:
+    """Kept for callers of the pulp-era API: import highspy with its banner silenced."""
+    _highspy()
+
+
+class NoSchedule(MemschedError):
+    """The solver found no schedule: the budget is infeasible (``proven``) or the time limit ran out first."""
+
+    def __init__(self, message: str, proven: bool):
+        super().__init__(message)
+        self.proven = proven
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """A solved model: the stage-by-stage compute order, whether it is proven optimal, and the relative gap
+    between its objective and the solver's bound (None when the backend does not report one)."""
+
+    order: tuple
+    optimal: bool
+    gap: float
+
+
+class CheckmateModel:
+    """The reduced Checkmate MILP for one graph and budget (bytes), or its LP relaxation (``relaxed``).
+
+    With ``budget=None`` the budget is a variable and the objective is the
+    peak memory instead of the time (the least memory of any schedule of the class).
+    """
+
+    def __init__(self, graph: Graph, budget, relaxed: bool = False):
+        self.graph = graph
+        self.budget = budget
+        self.relaxed = relaxed
+        n = graph.size
+        nodes = graph.nodes
+        consumers = graph.consumers
+        recomputable = [not node.keep and bool(consumers[i]) for i, node in enumerate(nodes)]
+        # last stage in which some consumer of i can run (a recomputable consumer can run in any later stage)
+        last_use = [max((n - 1 if recomputable[c] else c for c in consumers[i]), default=-1) for i in range(n)]
+        self.unit_time = max(graph.compute_time / n, 1e-12)
+        self.unit_mem = max(1.0, (budget - graph.fixed_bytes) / 1e4) if budget is not None else max(
+            1.0, max(node.out_bytes for node in nodes) / 100)
+        # columns
+        self.col_lower, self.col_upper, self.col_cost, self.col_integer = [], [], [], []
+        self.definition = []  # per column: None (R, S, peak), ("max", terms) for N, ("sum", pairs) for U
+        # rows: (columns, coefficients), lower, upper
+        self.row_cols, self.row_vals, self.row_lower, self.row_upper = [], [], [], []
+        self.infeasible_constant = False
+        self.R, self.S = {}, {}
+        for t in range(n):
+            for i in range(t):
+                if recomputable[i] and last_use[i] >= t:
+                    self.S[t, i] = self._column(0.0, 1.0, 0.0, not relaxed)
+                    self.R[t, i] = self._column(0.0, 1.0, nodes[i].time / self.unit_time, not relaxed)
+
+        def r(t, i):
+            if i == t:
+                return _ONE
+            col = self.R.get((t, i))
+            return _ZERO if col is None else (col, 0.0)
+
+        def s(t, i):
+            if t >= n or i >= t:
+                return _ONE if nodes[i].keep and i < t else _ZERO
+            if nodes[i].keep:
+                return _ONE
+            col = self.S.get((t, i))
+            return _ZERO if col is None else (col, 0.0)
+
+        self._r, self._s = r, s
+        if budget is None:
+            self.peak = self._column(0.0, math.inf, 1.0, False)
+            available = None
+            self.objective_offset = 0.0
+        else:
+            self.peak = None
+            available = (budget - graph.fixed_bytes) / self.unit_mem
+            self.objective_offset = graph.compute_time / self.unit_time
+        size = [node.out_bytes / self.unit_mem for node in nodes]
+        tmp = [node.tmp_bytes / self.unit_mem for node in nodes]
+        for (t, i), col in self.R.items():
+            self._row([(1.0, (col, 0.0)), (1.0, (self.S[t, i], 0.0))], -math.inf, 1.0)
+        for (t, i), col in self.S.items():
+            if t + 1 < n and (t + 1, i) in self.S:
+                self._row([(1.0, (self.S[t + 1, i], 0.0)), (-1.0, (col, 0.0)), (-1.0, r(t, i))], -math.inf, 0.0)
+        for (t, i), col in self.R.items():  # a recomputation is read in its stage or carried to the next one
+            pairs = [(1.0, (col, 0.0)), (-1.0, s(t + 1, i))]
+            pairs += [(-1.0, r(t, c)) for c in consumers[i] if c == t or (t, c) in self.R]
+            self._row(pairs, -math.inf, 0.0)
+        for t in range(n):
+            # a node runnable in this stage needs its dependencies resident or computed before it
+            for k in range(t + 1):
+                if k != t and (t, k) not in self.R:
+                    continue
+                for i in nodes[k].deps:
+                    if not nodes[i].keep:
+                        self._row([(1.0, r(t, i)), (1.0, s(t, i)), (-1.0, r(t, k))], 0.0, math.inf)
+            self._stage_memory(t, r, s, size, tmp, available)
+
+    # --- building blocks -------------------------------------------------------------------------
+
+    def _column(self, lower, upper, cost, integer, definition=None) -> int:
+        self.col_lower.append(lower)
+        self.col_upper.append(upper)
+        self.col_cost.append(cost)
+        self.col_integer.append(integer)
+        self.definition.append(definition)
+        return len(self.col_lower) - 1
+
+    def _row(self, pairs, lower, upper) -> None:
+        """Add ``lower <= Σ coef * term <= upper`` (constants moved into the bounds, repeated columns summed)."""
+        coefs, constant = {}, 0.0
+        for coef, (col, value) in pairs:
+            if col < 0:
+                constant += coef * value
+            else:
+                coefs[col] = coefs.get(col, 0.0) + coef
+        coefs = {col: coef for col, coef in coefs.items() if coef != 0.0}
+        lower, upper = lower - constant, upper - constant
+        if not coefs:
+            if lower > 1e-9 or upper < -1e-9:
+                self.infeasible_constant = True
+            return
+        self.row_cols.append(list(coefs))
+        self.row_vals.append(list(coefs.values()))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    def _needed(self, t, i, r, s):
+        """The consumers of ``i`` that can run in stage ``t``, and per count ``a`` of them already run, the
+        indicator 'the value of ``i`` is still needed' (``N[t,i,a]``; a constant 1 where forced)."""
+        runnable = [c for c in self.graph.consumers[i] if c == t or (t, c) in self.R]
+        needed = [None] * (len(runnable) + 1)
+        needed[-1] = s(t + 1, i)
+        for a in reversed(range(len(runnable))):
+            later, uses = needed[a + 1], r(t, runnable[a])
+            if later == _ONE or uses[0] < 0:
+                needed[a] = _ONE  # a consumer that can run in stage t is a variable, or stage t's own node
+                continue
+            terms = [uses] if later[0] < 0 else [uses, later]
+            col = self._column(0.0, 1.0, 0.0, False, ("max", terms))
+            for term in terms:
+                self._row([(1.0, (col, 0.0)), (-1.0, term)], 0.0, math.inf)
+            needed[a] = (col, 0.0)
+        return runnable, needed
+
+    def _stage_memory(self, t, r, s, size, tmp, available):
+        """``U[t,k]`` at every node ``k`` that can run in stage ``t``, and the budget on it.
+
+        While ``k`` runs, value ``i`` counts ``S[t,i]`` if ``i > k``, ``R[t,k]`` if
+        ``i = k``, and ``N[t,i,a]`` if ``i < k``, ``a`` its consumers before ``k``.
+        Between two runnable nodes ``j < k`` only the terms of ``j``, of ``j``'s
+        dependencies and of ``k`` change, so each ``U`` is the previous one plus those.
+        """
+        nodes = self.graph.nodes
+        needs = {}
+
+        def need(i, k):
+            if i not in needs:
+                needs[i] = self._needed(t, i, r, s)
+            runnable, needed = needs[i]
+            return needed[sum(c < k for c in runnable)]
+
+        previous = None  # (j, U[t,j])
+        for k in range(t + 1):
+            if k != t and (t, k) not in self.R:
+                continue
+            if previous is None:
+                keep = sum(node.out_bytes for node in nodes[:t] if node.keep) / self.unit_mem
+                pairs = [(size[i], s(t, i)) for i in range(k + 1, t) if not nodes[i].keep] + [(keep, _ONE)]
+            else:
+                j, u_previous = previous
+                pairs = [(1.0, (u_previous, 0.0)), (size[j], need(j, k)), (-size[j], r(t, j)), (-size[k], s(t, k))]
+                for i in nodes[j].deps:
+                    if not nodes[i].keep:
+                        pairs += [(size[i], need(i, k)), (-size[i], need(i, j))]
+            pairs.append((size[k], r(t, k)))
+            u = self._column(-math.inf, math.inf, 0.0, False, ("sum", pairs))
+            self._row([(1.0, (u, 0.0))] + [(-coef, term) for coef, term in pairs], 0.0, 0.0)
+            if available is None:
+                self._row([(1.0, (u, 0.0)), (tmp[k], r(t, k)), (-1.0, (self.peak, 0.0))], -math.inf, 0.0)
+            else:
+                self._row([(1.0, (u, 0.0)), (tmp[k], r(t, k))], -math.inf, available)
+            previous = (k, u)
+
+    # --- the matrix, a start, and the solvers ----------------------------------------------------------
+
+    @functools.cached_property
+    def matrix(self):
+        """Row-wise CSR arrays ``(start, index, value)`` of the constraint matrix."""
+        lengths = np.fromiter((len(cols) for cols in self.row_cols), dtype=np.int64, count=len(self.row_cols))
+        start = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=start[1:])
+        index = np.fromiter((c for cols in self.row_cols for c in cols), dtype=np.int32, count=int(start[-1]))
+        value = np.fromiter((v for vals in self.row_vals for v in vals), dtype=float, count=int(start[-1]))
+        return start, index, value
+
+    def start_vector(self, order):
+        """The column values of the frontier-advancing compute ``order`` with eager frees (``N`` at their least,
+        ``U`` by their equations), or None when they violate the model (a schedule outside it, or above the
+        budget)."""
+        n = self.graph.size
+        value = np.zeros(len(self.col_lower))
+        stage_of = []  # stage of each position
+        t = 0
+        for v in order:
+            stage_of.append(t)
+            if v == t:
+                t += 1
+        if t != n:
+            return None
+        last_read = list(range(len(order)))
+        made_at = {}
+        for position, v in enumerate(order):
+            for d in self.graph.nodes[v].deps:
+                if d not in made_at:
+                    return None
+                last_read[made_at[d]] = position
+            made_at[v] = position
+        stage_start = [0] * (n + 1)
+        for position in reversed(range(len(order))):
+            stage_start[stage_of[position]] = position
+        stage_start[n] = len(order)
+        for position, v in enumerate(order):
+            t = stage_of[position]
+            if v != t:
+                col = self.R.get((t, v))
+                if col is None:
+                    return None
+                value[col] = 1.0
+            if self.graph.nodes[v].keep:
+                continue
+            for later in range(t + 1, n):  # resident at the start of the later stages it survives into
+                if last_read[position] < stage_start[later]:
+                    break
+                col = self.S.get((later, v))
+                if col is None:
+                    return None
+                value[col] = 1.0
+        for col, definition in enumerate(self.definition):
+            if definition is None:
+                continue
+            kind, terms = definition
+            if kind == "max":
+                value[col] = max(term[1] if term[0] < 0 else value[term[0]] for term in terms)
+            else:
+                value[col] = sum(coef * (term[1] if term[0] < 0 else value[term[0]]) for coef, term in terms)
+        start, index, coef = self.matrix
+        activity = np.add.reduceat(coef * value[index], start[:-1]) if len(index) else np.zeros(0)
+        empty = start[:-1] == start[1:]
+        activity[empty] = 0.0
+        lower, upper = np.asarray(self.row_lower), np.asarray(self.row_upper)
+        tolerance = 1e-7 * np.maximum(1.0, np.abs(activity))
+        if np.any(activity < lower - tolerance) or np.any(activity > upper + tolerance):
+            return None
+        return value
+
+    def solve(self, backend: str = "highs", time_limit=None, gap: float = 0.0, start_order=None) -> MilpResult:
+        """Solve with ``backend`` (from the compute order ``start_order`` when given and valid); raise
+        :class:`NoSchedule` when there is no solution (infeasible or out of time)."""
+        if backend not in BACKENDS:
+            raise MemschedError(f"checkmate: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.infeasible_constant:
+            raise NoSchedule("no schedule of this class fits the budget (proven infeasible)", proven=True)
+        start = None if start_order is None or self.relaxed else self.start_vector(start_order)
+        if backend == "highs":
+            found, proven, objective, bound, values = self._solve_highs(time_limit, gap, start)
+        else:
+            found, proven, objective, bound, values = self._solve_cbc(time_limit, gap, start)
+        if not found and proven:
+            raise NoSchedule("no schedule of this class fits the budget (proven infeasible)", proven=True)
+        if not found:
+            raise NoSchedule(f"the time limit ({time_limit} s) ran out before any schedule was found", proven=False)
+        self.solution = values
+        total = objective + self.objective_offset
+        gap_value = None
+        if proven:
+            gap_value = 0.0
+        elif bound is not None and total > 0:
+            gap_value = max(0.0, (total - (bound + self.objective_offset)) / total)
+        return MilpResult(order=self._order(), optimal=proven, gap=gap_value)
+
+    def _highs_model(self, offset: bool):
+        highspy = _highspy()
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.col_lower)
+        lp.num_row_ = len(self.row_lower)
+        lp.col_cost_ = np.asarray(self.col_cost, dtype=float)
+        lp.col_lower_ = np.asarray(self.col_lower, dtype=float)
+        lp.col_upper_ = np.asarray(self.col_upper, dtype=float)
+        lp.row_lower_ = np.asarray(self.row_lower, dtype=float)
+        lp.row_upper_ = np.asarray(self.row_upper, dtype=float)
+        start, index, value = self.matrix
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = start.astype(np.int32)
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
+        if not self.relaxed:
+            lp.integrality_ = [highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
+                               for integer in self.col_integer]
+        if offset:
+            lp.offset_ = self.objective_offset
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("threads", _THREADS)
+        highs.passModel(lp)
+        return highs
+
+    def _solve_highs(self, time_limit, gap, start):
+        """(found, finished: optimal or proven infeasible, objective, bound, column values); objective and bound
+        without the offset."""
+        highspy = _highspy()
+        began = time.perf_counter()
+        highs = self._highs_model(offset=True)
+        highs.setOptionValue("mip_rel_gap", float(gap))
+        highs.setOptionValue("mip_abs_gap", 0.0)
+        if time_limit is not None:
+            highs.setOptionValue("time_limit", float(time_limit))
+        if start is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = start.tolist()
+            solution.value_valid = True
+            highs.setSolution(solution)
+        highs.run()
+        status = highs.getModelStatus()
+        info = highs.getInfo()
+        found = info.primal_solution_status == 2 and status != highspy.HighsModelStatus.kInfeasible
+        finished = status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
+        objective = info.objective_function_value - self.objective_offset
+        bound = None
+        if not self.relaxed and math.isfinite(info.mip_dual_bound):
+            bound = info.mip_dual_bound - self.objective_offset
+        values = np.asarray(highs.getSolution().col_value) if found else None
+        if values is not None and start is not None:
+            # HiGHS 1.16 can report the optimum yet hand back the start's values (seen when presolve solves the
+            # whole model): trust the values only when their objective is the one reported, else solve again
+            # without the start
+            recomputed = float(np.dot(self.col_cost, values))
+            if abs(recomputed - objective) > 1e-6 * max(1.0, abs(objective)):
+                if time_limit is not None:
+                    time_limit = max(0.01, time_limit - (time.perf_counter() - began))
+                return self._solve_highs(time_limit, gap, None)
+        return found, finished, objective, bound, values
+
+    def _solve_cbc(self, time_limit, gap, start):
+        """As :meth:`_solve_highs`, with the CBC binary bundled with pulp on an MPS file of the same matrix."""
+        from pulp.apis import coin_api
+
+        path = coin_api.PULP_CBC_CMD.pulp_cbc_path  # the CBC binary bundled with pulp
+        highs = self._highs_model(offset=False)
+        with tempfile.TemporaryDirectory(prefix="memsched-cbc-") as folder:
+            mps, solution, mipstart = (os.path.join(folder, name) for name in ("model.mps", "model.sol", "start.mst"))
+            sys.stdout.flush()
+            highs.writeModel(mps)
+            args = [path, mps]
+            if start is not None:
+                with open(mipstart, "w") as out:
+                    out.write("Stopped on time - objective value 0\n")
+                    out.writelines(f"{col:>7} c{col} {value:>15} {0:>23}\n" for col, value in enumerate(start))
+                args += ["-mips", mipstart]
+            if time_limit is not None:
+                args += ["-sec", str(time_limit)]
+            args += ["-ratio", str(gap), "-allow", "0", "-threads", str(_THREADS)]
+            args += ["-solve" if not self.relaxed else "-initialSolve", "-printingOptions", "all", "-solution", solution]
+            run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 text=True, check=False)
+            log = run.stdout
+            if not os.path.exists(solution):
+                raise MemschedError(f"checkmate: CBC failed (exit status {run.returncode}): {log.strip()[-300:]}")
+            with open(solution) as text:
+                lines = text.read().splitlines()
+        head = lines[0] if lines else ""
+        values = np.zeros(len(self.col_lower))
+        pattern = re.compile(r"^\**\s*(\d+)\s+c(\d+)\s+(\S+)")
+        for line in lines[1:]:
+            match = pattern.match(line.strip())
+            if match:
+                values[int(match.group(2))] = float(match.group(3))
+        infeasible = head.startswith("Infeasible") or "Result - Problem proven infeasible" in log
+        found = not infeasible and (head.startswith("Optimal") or (
+            head.startswith("Stopped") and "objective value" in head and "no integer" not in head))
+        finished = infeasible or "Result - Optimal solution found" in log or (self.relaxed and head.startswith("Optimal"))
+        objective = float(head.rsplit("objective value", 1)[1]) if found else math.nan
+        bound = None
+        for line in log.splitlines():
+            if line.startswith("Lower bound:"):
+                bound = float(line.split(":")[1])
+        return found, finished, objective, bound, values if found else None
+
+    def _order(self) -> tuple:
+        """The compute order of the solution: stage by stage, nodes in index order."""
+        order = []
+        values = self.solution
+        for t in range(self.graph.size):
+            order += [i for i in range(t) if (t, i) in self.R and values[self.R[t, i]] > 0.5] + [t]
+        return tuple(order)
+
+    def values(self, table) -> dict:
+        """A variable table's solution values, by key."""
+        return {key: float(self.solution[col]) for key, col in table.items()}
+
+    def peak_value(self) -> float:
+        """The solved ``peak`` variable (budget None), in bytes above ``fixed_bytes``."""
+        return float(self.solution[self.peak]) * self.unit_mem
+
+
+def checkmate(graph: Graph, budget: int, backend: str = "highs", time_limit=None, gap: float = 0.0):
+    """The fastest frontier-advancing schedule within ``budget`` bytes (proven optimal unless a time limit stopped
+    the search, or ``gap`` > 0 allowed one relatively that far from the bound)."""
+    from solvers.graph import GraphSolution
+    from solvers.graph_heuristic import greedy_order
+
+    started = time.perf_counter()
+    heuristic_limit = 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit))
+    start_order = greedy_order(graph, budget, heuristic_limit)
+    model = CheckmateModel(graph, budget)
+    remaining = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - started))
+    result = model.solve(backend, remaining, gap, start_order=start_order)
+    params = {"backend": backend} if time_limit is None else {"backend": backend, "time_limit": time_limit}
+    if gap:
+        params["gap"] = gap
+    return GraphSolution(schedule_with_frees(graph, result.order), params=params, optimal=result.optimal,
+                         gap=result.gap)
+def _rebuild(graph: Graph, checkpoints) -> tuple:
+    """The compute order that makes the rounded checkpoint sets valid with the least recomputation.
+
+    ``checkpoints[t]`` is the set of values resident when stage ``t`` starts;
+    stage ``t`` recomputes, in index order, what node ``t`` and the values
+    checkpointed into stage ``t+1`` need and is not resident (recursively).
+    """
+    order = []
+    n = graph.size
+    for t in range(n):
+        have = set(checkpoints[t])
+        wanted = {t} | {i for i in (checkpoints[t + 1] if t + 1 < n else ()) if i not in have}
+        stack = list(wanted)
+        while stack:
+            v = stack.pop()
+            for dep in graph.nodes[v].deps:
+                if dep not in have and dep not in wanted:
+                    wanted.add(dep)
+                    stack.append(dep)
+        order += sorted(wanted)
+    return tuple(order)
+
+
+def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int = 16, seed: int = 0,
+                 time_limit=None):
+    """Checkmate's LP relaxation with rounding: the fastest feasible schedule among the roundings tried (never
+    marked optimal). ``samples`` randomised roundings per LP; ``time_limit`` bounds the whole search (seconds)."""
+    from solvers.graph import GraphSolution
+
+    rng = np.random.default_rng(seed)
+    simulator = GraphSimulator(graph)
+    started = time.perf_counter()
+    best = None
+    for fraction in (1.0, 0.9, 0.8, 0.65, 0.5):
+        remaining = None if time_limit is None else time_limit - (time.perf_counter() - started)
+        if remaining is not None and remaining <= 0:
+            break
+        target = graph.fixed_bytes + int((budget - graph.fixed_bytes) * fraction)
+        model = CheckmateModel(graph, target, relaxed=True)
+        try:
+            model.solve(backend, remaining)
+        except NoSchedule:
+            continue
+        values = model.values(model.S)
+        keys = list(values)
+        draws = [np.full(len(keys), 0.5)] + [rng.random(len(keys)) for _ in range(samples)]
+        for draw in draws:
+            checkpoints = [set() for _ in range(graph.size)]
+            for (t, i), u in zip(keys, draw):
+                if values[t, i] > u:
+                    checkpoints[t].add(i)
+            for t in range(graph.size):
+                checkpoints[t] |= {i for i in range(t) if graph.nodes[i].keep}
+            schedule = schedule_with_frees(graph, _rebuild(graph, checkpoints))
+            result = simulator.run(schedule)
+            if result.peak_bytes <= budget and (best is None or result.time < best[0]):
+                best = (result.time, schedule)
+        if best is not None:
+            break
+    if best is None:
+        raise NoSchedule("no rounding of the LP relaxation fits the budget (the budget may still be feasible: "
+                         "try --solver checkmate)", proven=False)
+    params = {"backend": backend, "samples": samples, "seed": seed}
+    if time_limit is not None:
+        params["time_limit"] = time_limit
+    return GraphSolution(best[1], params=params, optimal=False, gap=None)
+
+
+def least_peak(graph: Graph, backend: str = "highs", time_limit=None):
+    """(bytes, proven): the least peak of any frontier-advancing schedule, or when the time limit stops the
+    search first, the solver's lower bound on it (``proven`` False). ``fixed_bytes`` included."""
+    model = CheckmateModel(graph, None)
+    try:
+        result = model.solve(backend, time_limit)
+    except NoSchedule:
+        return None, False
+    if result.optimal:
+        peak = GraphSimulator(graph).run(schedule_with_frees(graph, result.order)).peak_bytes
+        return peak, True
+    return None, False

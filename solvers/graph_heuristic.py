@@ -1,0 +1,160 @@
+"""A fast heuristic for graph schedules: the warm start of the exact graph solvers.
+
+It searches *retention-level* schedules, a subset of Checkmate's
+frontier-advancing class. Every value that some node reads gets a level:
+
+* ``KEEP`` (0): resident from its first computation to its last read (store-all);
+* ``DROP`` (1): resident after its first computation only while forward nodes
+  still read it, then freed; when a later stage needs it, it is recomputed
+  once and stays resident to its last read (the segment recomputation of
+  checkpointing: at most two computations);
+* ``FLUSH`` (2): resident only in the stage that computes it, recomputed by
+  every later stage that needs it.
+
+Stage ``t`` recomputes, in index order, every value ``t`` needs that is not
+resident (recursively, through their own dependencies), then computes ``t``;
+values are freed eagerly (:func:`planner.graph.schedule_with_frees`), which
+never holds more than the levels say. All levels ``KEEP`` is the store-all
+schedule.
+
+:func:`greedy_order` starts from store-all and, while the peak is above the
+budget, raises by one the level of the value resident at the peak that frees
+the most bytes per second of recomputation; then it lowers again, one at a
+time, the levels whose lowering keeps the schedule within the budget and does
+not make it slower. It proves nothing: it gives the exact solvers a feasible
+incumbent from the start.
+"""
+
+import time
+
+import numpy as np
+
+from planner.graph import Graph
+
+KEEP, DROP, FLUSH = 0, 1, 2
+
+
+class LevelSchedules:
+    """Builds and measures retention-level schedules of one graph (see the module docstring)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        nodes = graph.nodes
+        self.n = graph.size
+        self.deps = [node.deps for node in nodes]
+        self.keep = [node.keep for node in nodes]
+        self.out = np.array([node.out_bytes for node in nodes], dtype=np.int64)
+        self.tmp = np.array([node.tmp_bytes for node in nodes], dtype=np.int64)
+        self.times = np.array([node.time for node in nodes], dtype=float)
+        consumers = graph.consumers
+        self.last_read = [max(c, default=v) for v, c in enumerate(consumers)]
+        # a DROP value's first life ends after its last forward reader (its own stage if none)
+        self.first_life = [max((c for c in consumers[v] if not nodes[c].backward), default=v)
+                           for v in range(self.n)]
+        self.end_bytes = int(sum(node.out_bytes for node in nodes if node.keep)) + graph.fixed_bytes
+
+    def order(self, level) -> list:
+        """The compute order of the schedule with ``level`` (a list of levels by node)."""
+        deps, keep = self.deps, self.keep
+        resident = {}  # value -> last stage it stays resident through
+        order = []
+        for t in range(self.n):
+            stage = set()
+            stack = [d for d in deps[t] if d not in resident]
+            while stack:
+                d = stack.pop()
+                if d in stage:
+                    continue
+                stage.add(d)
+                stack.extend(x for x in deps[d] if x not in resident and x not in stage)
+            for d in sorted(stage):
+                order.append(d)
+                # a recomputed value: DROP keeps it to its last read, FLUSH only through this stage
+                resident[d] = self.last_read[d] if level[d] != FLUSH else t
+            order.append(t)
+            if keep[t]:
+                resident[t] = self.n
+            elif level[t] == KEEP:
+                resident[t] = self.last_read[t]
+            elif level[t] == DROP:
+                resident[t] = self.first_life[t]
+            else:
+                resident[t] = t
+            for v in [v for v, last in resident.items() if last <= t]:
+                del resident[v]
+        return order
+
+    def measure(self, order):
+        """``(peak bytes, position of the peak computation, last-read positions)`` of ``order`` with eager frees,
+        ``fixed_bytes`` included (the memory model of planner/graph_simulator.py)."""
+        length = len(order)
+        last_read = list(range(length))
+        made_at = {}
+        deps, keep = self.deps, self.keep
+        for position, v in enumerate(order):
+            for d in deps[v]:
+                last_read[made_at[d]] = position
+            made_at[v] = position
+        for position, v in enumerate(order):
+            if keep[v]:
+                last_read[position] = length  # never freed
+        index = np.asarray(order, dtype=np.int64)
+        sizes = self.out[index]
+        delta = np.zeros(length + 2, dtype=np.int64)
+        delta[1:length + 1] += sizes  # resident from the next position on
+        np.add.at(delta, np.asarray(last_read, dtype=np.int64) + 1, -sizes)
+        before = np.cumsum(delta)[:length]  # bytes resident before each computation
+        running = before + sizes + self.tmp[index]
+        peak_position = int(np.argmax(running))
+        peak = int(running[peak_position]) + self.graph.fixed_bytes
+        return max(peak, self.end_bytes), peak_position, last_read
+
+    def seconds(self, order) -> float:
+        """Total compute time of ``order``."""
+        return float(self.times[np.asarray(order, dtype=np.int64)].sum())
+
+
+def greedy_order(graph: Graph, budget: int, time_limit: float = 5.0):
+    """A frontier-advancing compute order whose eager-free schedule peaks within ``budget`` bytes, or None when the
+    greedy search finds none within ``time_limit`` seconds (see the module docstring)."""
+    started = time.perf_counter()
+    schedules = LevelSchedules(graph)
+    if schedules.end_bytes > budget:
+        return None
+    nodes = graph.nodes
+    uses = [len(c) for c in graph.consumers]
+    level = [KEEP] * graph.size
+    raised = []
+    while True:
+        order = schedules.order(level)
+        peak, position, last_read = schedules.measure(order)
+        if peak <= budget:
+            break
+        if time.perf_counter() - started > time_limit:
+            return None
+        running = order[position]
+        reads = set(nodes[running].deps)
+        best, best_score = None, -1.0
+        for p in range(position):
+            v = order[p]
+            if last_read[p] < position or level[v] == FLUSH or nodes[v].keep or v in reads or not uses[v]:
+                continue
+            score = nodes[v].out_bytes / (nodes[v].time * (uses[v] if level[v] == DROP else 1) + 1e-9)
+            if score > best_score:
+                best, best_score = v, score
+        if best is None:
+            return None
+        level[best] += 1
+        raised.append(best)
+    seconds = schedules.seconds(order)
+    for v in reversed(raised):  # lower again what still fits without slowing the schedule
+        if time.perf_counter() - started > time_limit or level[v] == KEEP:
+            continue
+        level[v] -= 1
+        trial = schedules.order(level)
+        trial_seconds = schedules.seconds(trial)
+        if schedules.measure(trial)[0] <= budget and trial_seconds <= seconds:
+            order, seconds = trial, trial_seconds
+        else:
+            level[v] += 1
+    return tuple(order)

@@ -1,0 +1,119 @@
+"""Moccasin: the constraint-programming model of Bartan et al., "Moccasin: Efficient Tensor Rematerialization for
+Neural Networks" (ICML 2023), on a :class:`planner.graph.Graph`, with OR-Tools CP-SAT.
+
+Time is a sequence of integer slots, one computation per slot. Node ``v`` has
+up to ``C_v`` computations ``c`` (``C_v = max_computations``; 1 for a ``keep``
+node, never freed, and for a node nothing reads), each with
+
+* ``active[v,c]`` (the first computation is always active; ``c`` only if ``c-1``),
+* a slot ``s[v,c]``, all active slots distinct (a no-overlap of unit intervals),
+* a retention end ``e[v,c] > s[v,c]``: the value is resident during the slots
+  ``[s, e)``, from its computation until after its last use (to the end for a
+  ``keep`` value); the retention intervals of one node do not overlap (a
+  resident value is not computed again).
+
+Each active computation of ``v`` reads, for each dependency ``u``, one active
+computation of ``u`` with ``s[u,c'] < s[v,c] < e[u,c']`` (a Boolean choice per pair
+of computations). Memory is one cumulative constraint of capacity ``budget -
+fixed_bytes``: each retention interval demands ``out_bytes``, each computation's
+unit interval ``tmp_bytes``; so during the slot of ``v`` it holds every resident
+value, ``v``'s output and its temporary, as the graph simulator counts. The
+first computations of ``random`` nodes are in index order. The objective is the
+total compute time, with times as integers at the coarsest resolution ``10^-k``
+s (``k <= 12``) that represents every node's time exactly (``10^-12`` s otherwise).
+
+The schedule is the active computations in slot order with every value freed
+eagerly (:func:`planner.graph.schedule_with_frees`), which holds no more than
+the retention intervals. CP-SAT runs with two workers; ``OPTIMAL`` is reported
+as optimal, ``FEASIBLE`` (a time limit) with the gap to CP-SAT's bound.
+"""
+
+from ortools.sat.python import cp_model
+
+from planner.errors import MemschedError
+from planner.graph import Graph, schedule_with_frees
+from solvers.checkmate import NoSchedule
+
+_WORKERS = 2
+
+
+def _time_units(times) -> int:
+    """The smallest power of ten ``10^k`` (k <= 12) such that every time times it is whole (to 1e-6 of a unit)."""
+    for k in range(13):
+        scale = 10**k
+        if all(abs(t * scale - round(t * scale)) <= 1e-6 * max(1.0, t * scale) for t in times):
+            return scale
+    return 10**12
+
+
+def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=None):
+    """The fastest schedule computing each node at most ``max_computations`` times within ``budget`` bytes."""
+    from solvers.graph import GraphSolution
+
+    if isinstance(max_computations, bool) or not isinstance(max_computations, int) or max_computations < 1:
+        raise MemschedError(f"moccasin: max_computations must be a whole number >= 1, got {max_computations!r}")
+    n = graph.size
+    nodes = graph.nodes
+    consumers = graph.consumers
+    counts = [1 if node.keep or not consumers[v] else max_computations for v, node in enumerate(nodes)]
+    horizon = sum(counts)
+    scale = _time_units([node.time for node in nodes])
+    cost = [round(node.time * scale) for node in nodes]
+    model = cp_model.CpModel()
+    active, start, end, units, retained = {}, {}, {}, [], []
+    for v in range(n):
+        for c in range(counts[v]):
+            on = model.NewBoolVar(f"a_{v}_{c}")
+            s = model.NewIntVar(0, horizon - 1, f"s_{v}_{c}")
+            e = model.NewIntVar(1, horizon, f"e_{v}_{c}")
+            length = model.NewIntVar(1, horizon, f"l_{v}_{c}")
+            units.append((model.NewOptionalIntervalVar(s, 1, s + 1, on, f"u_{v}_{c}"), nodes[v].tmp_bytes))
+            retained.append((model.NewOptionalIntervalVar(s, length, e, on, f"r_{v}_{c}"), nodes[v].out_bytes))
+            if nodes[v].keep:
+                model.Add(e == horizon)
+            if c == 0:
+                model.Add(on == 1)
+            else:
+                model.AddImplication(on, active[v, c - 1])
+                model.Add(s >= end[v, c - 1]).OnlyEnforceIf(on)
+                model.Add(s == 0).OnlyEnforceIf(on.Not())
+                model.Add(e == 1).OnlyEnforceIf(on.Not())
+            active[v, c], start[v, c], end[v, c] = on, s, e
+    model.AddNoOverlap([interval for interval, _ in units])
+    capacity = budget - graph.fixed_bytes
+    intervals = units + retained
+    model.AddCumulative([i for i, _ in intervals], [d for _, d in intervals], capacity)
+    for v, node in enumerate(nodes):
+        for c in range(counts[v]):
+            for u in node.deps:
+                choices = []
+                for c2 in range(counts[u]):
+                    use = model.NewBoolVar(f"use_{u}_{c2}_{v}_{c}")
+                    model.AddImplication(use, active[u, c2])
+                    model.Add(start[u, c2] < start[v, c]).OnlyEnforceIf(use)
+                    model.Add(end[u, c2] > start[v, c]).OnlyEnforceIf(use)
+                    choices.append(use)
+                model.AddBoolOr(choices).OnlyEnforceIf(active[v, c])
+    random_nodes = [v for v, node in enumerate(nodes) if node.random]
+    for u, v in zip(random_nodes, random_nodes[1:]):
+        model.Add(start[u, 0] < start[v, 0])
+    model.Minimize(sum(cost[v] * active[v, c] for v in range(n) for c in range(1, counts[v])))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = _WORKERS
+    if time_limit is not None:
+        solver.parameters.max_time_in_seconds = float(time_limit)
+    status = solver.Solve(model)
+    if status == cp_model.INFEASIBLE:
+        raise NoSchedule(f"no schedule with at most {max_computations} computations per node fits the budget "
+                         "(proven infeasible)", proven=True)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise NoSchedule(f"the time limit ({time_limit} s) ran out before any schedule was found", proven=False)
+    order = sorted(((solver.Value(start[v, c]), v) for (v, c), on in active.items() if solver.Value(on)))
+    optimal = status == cp_model.OPTIMAL
+    baseline = sum(cost)
+    total = baseline + solver.ObjectiveValue()
+    gap = 0.0 if optimal else max(0.0, (total - baseline - solver.BestObjectiveBound()) / total)
+    params = {"max_computations": max_computations}
+    if time_limit is not None:
+        params["time_limit"] = time_limit
+    return GraphSolution(schedule_with_frees(graph, [v for _, v in order]), params=params, optimal=optimal, gap=gap)

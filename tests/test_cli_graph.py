@@ -1,0 +1,122 @@
+"""memsched solve/show on graph problems (memsched.graph/1), run in-process through cli.main."""
+
+import json
+
+import pytest
+
+import cli
+from planner.graph import load_graph, save_graph
+from planner.graph_simulator import simulate_graph
+from planner.plan import load_plan
+from planner import save_chain
+from profiles.synthetic import random_chain, random_graph
+from solvers.graph import graph_minimum, store_all_graph_peak
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_graph")
+    save_graph(random_graph(5, 14, shape="transformer", scale_bytes=10**6), folder / "graph.json")
+    save_graph(random_graph(6, 14, shape="transformer", scale_bytes=10**6), folder / "other.json")
+    save_chain(random_chain(6, seed=1), folder / "chain.json")
+    graph = load_graph(folder / "graph.json")
+    minimum, exact = graph_minimum(graph)
+    assert exact
+    middle = str((minimum + store_all_graph_peak(graph)) // 2)  # bytes: room for recomputation
+    return {name: str(folder / f"{name}.json") for name in ("graph", "other", "chain")} | {
+        "folder": folder, "budget": middle, "minimum": minimum}
+
+
+def one_line_error(capsys, *fragments):
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memsched: error: "), captured.err
+    assert "Traceback" not in captured.err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("solver", ["checkmate", "moccasin", "checkmate-lp"])
+def test_solve_and_show_a_graph(files, capsys, solver):
+    out = files["folder"] / f"{solver}.plan.json"
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", solver, "--time-limit", "30",
+                     "-o", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("graph      synthetic_transformer_n14\n") and f"plan written to {out}" in stdout
+    assert "optimal: " in stdout and "recomputed" in stdout
+    plan = load_plan(out)
+    graph = load_graph(files["graph"])
+    assert plan.kind == "graph" and plan.solver == solver
+    assert plan.budget_bytes == int(files["budget"])
+    result = simulate_graph(graph, plan)
+    assert (result.peak_bytes, result.time) == (plan.predicted.peak_bytes, plan.predicted.time) and \
+        result.peak_bytes <= plan.budget_bytes
+    assert cli.main(["show", str(out), "--graph", files["graph"]]) == 0
+    shown = capsys.readouterr().out
+    assert "compute 0" in shown and "simulated  peak" in shown and "memory over" in shown and "v peak" in shown
+    assert cli.main(["show", str(out)]) == 0
+    assert "schedule" in capsys.readouterr().out
+
+
+def test_solve_options_reach_the_solvers(files, capsys):
+    out = files["folder"] / "m.plan.json"
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin", "--max-computations", "3",
+                     "--time-limit", "20", "-o", str(out)]) == 0
+    assert load_plan(out).params == {"max_computations": 3, "time_limit": 20.0}
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "checkmate", "--backend", "cbc",
+                     "--time-limit", "20", "-o", str(out)]) == 0
+    assert load_plan(out).params == {"backend": "cbc", "time_limit": 20.0}
+    capsys.readouterr()
+
+
+def test_cyclic_graph_file(files, capsys, tmp_path):
+    data = json.loads(open(files["graph"]).read())
+    data["nodes"][3]["deps"] = [5]
+    path = tmp_path / "cyclic.json"
+    path.write_text(json.dumps(data))
+    assert cli.main(["solve", str(path), "--budget", "50%"]) == 2
+    one_line_error(capsys, str(path), "nodes[3].deps[0] = 5", "cycle")
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--solver", "rotor"], ["unknown graph solver 'rotor'", "checkmate", "moccasin"]),
+    (["--slots", "10"], ["--slots", "chain solvers"]),
+    (["--solver", "checkmate", "--time-limit", "0"], ["--time-limit must be a positive"]),
+    (["--solver", "moccasin", "--backend", "cbc"], ["solver 'moccasin' takes no parameter 'backend'"]),
+])
+def test_bad_graph_solve_options(files, capsys, argv, fragments):
+    assert cli.main(["solve", files["graph"], "--budget", "90%"] + argv) == 2
+    one_line_error(capsys, *fragments)
+
+
+def test_infeasible_budget_states_the_minimum(files, capsys):
+    assert cli.main(["solve", files["graph"], "--budget", "1000", "--solver", "checkmate"]) == 2
+    one_line_error(capsys, "below", "least memory any schedule", "raise the budget")
+    minimum = files["minimum"]
+    assert cli.main(["solve", files["graph"], "--budget", str(minimum - 1), "--solver", "checkmate"]) == 2
+    one_line_error(capsys, "infeasible", f"({minimum} bytes)")
+
+
+def test_timeout_without_a_schedule(files, capsys, tmp_path):
+    path = tmp_path / "big.json"
+    save_graph(random_graph(3, 120, shape="transformer"), path)
+    assert cli.main(["solve", str(path), "--budget", "50%", "--solver", "moccasin", "--time-limit", "0.01"]) == 2
+    one_line_error(capsys, "time limit (0.01 s) ran out before any schedule was found", "--time-limit")
+
+
+def test_show_refuses_mismatches(files, capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["show", str(out), "--graph", files["other"]]) == 2
+    one_line_error(capsys, "was solved for graph", "solve again")
+    assert cli.main(["show", str(out), "--chain", files["chain"]]) == 2
+    one_line_error(capsys, "graph plan", "--graph")
+    chain_plan = tmp_path / "c.json"
+    assert cli.main(["solve", files["chain"], "--budget", "90%", "-o", str(chain_plan)]) == 0
+    capsys.readouterr()
+    assert cli.main(["show", str(chain_plan), "--graph", files["graph"]]) == 2
+    one_line_error(capsys, "plan of kind 'chain'", "not for a graph")
+    assert cli.main(["solve", files["chain"], "--budget", "90%", "--time-limit", "5"]) == 2
+    one_line_error(capsys, "--time-limit", "graph problems")

@@ -1,0 +1,167 @@
+"""memsched.graph/1 (planner/graph.py), the graph simulator and graph plans (planner/plan.py)."""
+
+import copy
+import json
+
+import pytest
+
+from planner.errors import MemschedError
+from planner.graph import Graph, GraphNode, load_graph, save_graph, schedule_with_frees, store_all_graph_schedule
+from planner.graph_simulator import GraphSimulator, simulate_graph
+from planner.plan import GraphOp, Plan, check_graph_plan_matches, check_plan_matches, load_plan, save_plan
+from profiles.synthetic import random_chain, random_graph
+from solvers import solve
+from solvers.graph import solve_graph, store_all_graph_peak
+
+
+def small_graph() -> Graph:
+    """a -> b -> c (keep), a -> c; d reads b and nothing reads d."""
+    return Graph("small", (GraphNode("a", 1.0, 10, ()), GraphNode("b", 2.0, 20, (0,), tmp_bytes=5),
+                           GraphNode("c", 0.5, 3, (0, 1), keep=True), GraphNode("d", 0.25, 7, (1,))),
+                 fixed_bytes=100).check()
+
+
+def test_graph_round_trips(tmp_path):
+    graph = random_graph(4, 30, shape="transformer")
+    save_graph(graph, tmp_path / "g.json")
+    assert load_graph(tmp_path / "g.json") == graph
+    assert Graph.from_dict(graph.to_dict()) == graph
+    assert load_graph(tmp_path / "g.json").fingerprint() == graph.fingerprint()
+
+
+def test_defaults_and_properties():
+    graph = Graph.from_dict({"format": "memsched.graph/1",
+                             "nodes": [{"time": 1, "out_bytes": 4, "deps": []}, {"time": 2, "out_bytes": 1e3, "deps": [0]}]})
+    assert graph.nodes[1] == GraphNode("node1", 2.0, 1000, (0,))
+    assert (graph.name, graph.device, graph.source, graph.fixed_bytes) == ("graph", "cpu", "measured", 0)
+    assert graph.size == 2 and graph.consumers == ((1,), ()) and graph.compute_time == 3.0
+
+
+def test_fingerprint_changes_with_any_field():
+    base = small_graph().to_dict()
+    prints = {Graph.from_dict(base).fingerprint()}
+    for path, value in ((("nodes", 1, "time"), 2.5), (("nodes", 0, "out_bytes"), 11), (("fixed_bytes",), 1),
+                        (("nodes", 3, "keep"), True), (("nodes", 1, "random"), True), (("nodes", 3, "deps"), [0, 1]),
+                        (("nodes", 1, "params"), ["w"]), (("name",), "other")):
+        data = copy.deepcopy(base)
+        target = data
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        prints.add(Graph.from_dict(data).fingerprint())
+    assert len(prints) == 9
+
+
+def _mutated(change):
+    data = small_graph().to_dict()
+    change(data)
+    return data
+
+
+INVALID = [
+    (lambda d: d["nodes"][2].update(deps=[0, 2]), ["nodes[2].deps[1] = 2", "earlier node", "cycle"]),
+    (lambda d: d["nodes"][1].update(deps=[3]), ["nodes[1].deps[0] = 3", "earlier node"]),
+    (lambda d: d["nodes"][2].update(deps=[0, 0]), ["nodes[2].deps[1] = 0", "twice"]),
+    (lambda d: d["nodes"][2].update(deps=[-1]), ["nodes[2].deps[0] = -1"]),
+    (lambda d: d["nodes"][2].update(deps=["a"]), ["nodes[2].deps[0]", "'a'"]),
+    (lambda d: d["nodes"][1].update(out_bytes=-1), ["nodes[1].out_bytes", ">= 0"]),
+    (lambda d: d["nodes"][1].update(tmp_bytes=1.5), ["nodes[1].tmp_bytes", "whole number"]),
+    (lambda d: d["nodes"][1].update(time=float("inf")), ["nodes[1].time", "finite"]),
+    (lambda d: d["nodes"][1].update(keep="yes"), ["nodes[1].keep", "true or false"]),
+    (lambda d: d["nodes"][1].update(colour=1), ["nodes[1]", "unknown field 'colour'"]),
+    (lambda d: d["nodes"][1].update(params="w"), ["nodes[1].params", "list"]),
+    (lambda d: d["nodes"][3].update(name="a"), ["nodes[3].name 'a'", "nodes[0]", "unique"]),
+    (lambda d: d["nodes"][1].pop("deps"), ["nodes[1]", "missing field 'deps'"]),
+    (lambda d: d.update(format="memsched.chain/1"), ["format", "memsched.graph/1"]),
+    (lambda d: d.update(format="memsched.graph/2"), ["memsched.graph/2", "not supported"]),
+    (lambda d: d.update(nodes=[]), ["nodes", "non-empty"]),
+    (lambda d: d.update(source="guessed"), ["source", "guessed"]),
+    (lambda d: d.update(fixed_bytes=-3), ["fixed_bytes", ">= 0"]),
+    (lambda d: d.update(extra=1), ["unknown field 'extra'"]),
+]
+
+
+@pytest.mark.parametrize("change, fragments", INVALID)
+def test_invalid_graph_is_one_line_naming_the_field(tmp_path, change, fragments):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_mutated(change)))
+    with pytest.raises(MemschedError) as excinfo:
+        load_graph(path)
+    message = str(excinfo.value)
+    assert "\n" not in message and str(path) in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_store_all_schedule_and_simulation():
+    graph = small_graph()
+    schedule = store_all_graph_schedule(graph)
+    assert [str(op) for op in schedule] == ["compute 0", "compute 1", "compute 2", "free 0", "compute 3", "free 1",
+                                            "free 3"]
+    result = GraphSimulator(graph).run(schedule)
+    # b: 100 + a 10 + b 20 + tmp 5; c: 100 + 10 + 20 + 3; d: 100 + 20 + 3 + 7
+    assert [step.peak for step in result.timeline if step.op.kind == "compute"] == [110, 135, 133, 130]
+    assert result.peak_bytes == 135 and result.time == graph.compute_time == 3.75
+    assert result.timeline[-1].memory_after == 103
+    assert store_all_graph_peak(graph) == 135
+
+
+def test_eager_frees_with_recomputation():
+    graph = small_graph()
+    ops = schedule_with_frees(graph, [0, 1, 0, 2, 3])  # the first copy of a is read by b only, then recomputed
+    assert [str(op) for op in ops][:4] == ["compute 0", "compute 1", "free 0", "compute 0"]
+    assert GraphSimulator(graph).run(ops).time == 4.75
+
+
+@pytest.mark.parametrize("schedule, fragment", [
+    ([GraphOp("compute", 1)], "operation 0 (compute 1): dep 0 (a) is not resident"),
+    ([GraphOp("compute", 0), GraphOp("compute", 0)], "operation 1 (compute 0): node 0 (a) is already resident"),
+    ([GraphOp("free", 0)], "operation 0 (free 0): node 0 (a) is not resident"),
+    ([GraphOp("compute", 0), GraphOp("compute", 1), GraphOp("compute", 2), GraphOp("free", 2)],
+     "operation 3 (free 2): node 2 (c) is a keep value"),
+    ([GraphOp("compute", 0), GraphOp("compute", 1), GraphOp("compute", 2)], "ends before node 3 (d) is computed"),
+    ([GraphOp("compute", 9)], "operation 0 (compute 9): node must be between 0 and 3"),
+    ([GraphOp("run", 0)], "unknown operation 'run'"),
+])
+def test_invalid_schedules(schedule, fragment):
+    with pytest.raises(MemschedError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        GraphSimulator(small_graph()).run(schedule)
+
+
+def test_graph_plan_round_trips_and_is_checked(tmp_path):
+    graph = random_graph(2, 16, scale_bytes=1000)
+    plan = solve_graph(graph, store_all_graph_peak(graph) - 1, "checkmate")
+    save_plan(plan, tmp_path / "p.json")
+    loaded = load_plan(tmp_path / "p.json")
+    assert loaded == plan and loaded.kind == "graph" and loaded.gap == 0.0
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["schedule"][0] == {"op": "compute", "node": 0} and data["solver"]["gap"] == 0.0
+    result = simulate_graph(graph, loaded)
+    assert (result.peak_bytes, result.time) == (plan.predicted.peak_bytes, plan.predicted.time)
+    other = random_graph(3, 16, scale_bytes=1000)
+    with pytest.raises(MemschedError, match="was solved for graph .* not for graph"):
+        check_graph_plan_matches(plan, other)
+    chain = random_chain(4, 1)
+    with pytest.raises(MemschedError, match="plan of kind 'graph'.*not for a chain"):
+        check_plan_matches(plan, chain)
+    chain_plan = solve(chain, 10**12)
+    assert "gap" not in chain_plan.to_dict()["solver"]
+    with pytest.raises(MemschedError, match="plan of kind 'chain'.*not for a graph"):
+        check_graph_plan_matches(chain_plan, graph)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d["schedule"][0].update(op="F_all"), "schedule[0]: unknown op 'F_all' in a plan of kind 'graph'"),
+    (lambda d: d["schedule"][0].update(node=-1), "schedule[0]: node must be a non-negative integer"),
+    (lambda d: d["schedule"][0].update(stage=0), "schedule[0]: unknown field 'stage'"),
+    (lambda d: d["schedule"][0].pop("node"), "schedule[0]: missing field 'node'"),
+    (lambda d: d["solver"].update(gap=-0.5), "solver.gap must be a fraction >= 0"),
+    (lambda d: d.update(kind="tree"), "plan kind 'tree' is not supported"),
+])
+def test_invalid_graph_plans(change, fragment):
+    graph = small_graph()
+    data = solve_graph(graph, store_all_graph_peak(graph)).to_dict()
+    change(data)
+    with pytest.raises(MemschedError) as excinfo:
+        Plan.from_dict(data)
+    assert fragment in str(excinfo.value) and "\n" not in str(excinfo.value)
