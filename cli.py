@@ -12,7 +12,7 @@ import sys
 import solvers
 from planner import check_plan_matches, load_chain, load_plan, render, save_chain, save_plan, simulate
 from planner.errors import MemschedError
-from planner.graph import GRAPH_FORMAT, Graph
+from planner.graph import GRAPH_FORMAT, Graph, save_graph
 from planner.graph_simulator import simulate_graph
 from planner.jsonio import read_json
 from planner.plan import check_graph_plan_matches
@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="allocate nothing: exact sizes from fake tensors, times from FLOPs / --throughput")
     profile.add_argument("--throughput", type=float, metavar="FLOP/s",
                          help="device throughput assumed by --estimate (default: 1e12)")
+    profile.add_argument("--graph", action="store_true",
+                         help="profile the whole training step as a graph (memsched.graph/1) instead of a chain")
+    profile.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
+                         help="--graph: coarsen the captured step to at most N nodes (default: 200)")
     profile.add_argument("--warmup", type=_at_least(0), default=2, metavar="N", help="untimed runs per stage (default: 2)")
     profile.add_argument("--repeats", type=_at_least(1), default=5, metavar="N",
                          help="timed runs per stage, median kept (default: 5)")
@@ -80,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--solver", default="auto", metavar="NAME", help="solver (default: auto)")
     train.add_argument("--plan", metavar="PLAN.json", help="train by this plan instead of solving")
     train.add_argument("--chain", metavar="CHAIN.json", help="use this profile instead of profiling")
+    train.add_argument("--graph", nargs="?", const=True, metavar="GRAPH.json",
+                       help="train by a graph plan (checkmate, moccasin, checkmate-lp) with the graph executor: "
+                            "profile the step as a graph, or use this graph profile")
+    train.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
+                       help="--graph: coarsen the captured step to at most N nodes (default: 200)")
+    train.add_argument("--time-limit", type=float, metavar="SECONDS", help="--graph: solver time limit")
     train.add_argument("--steps", type=_at_least(1), default=5, metavar="N", help="training steps (default: 5)")
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
@@ -142,6 +152,9 @@ def _profile(args) -> None:
     if args.throughput is not None and (not args.estimate or args.throughput <= 0):
         raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate, as a positive number")
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate)
+    if args.graph:
+        _profile_graph(args, model)
+        return
     total = len(model.stages) + 1
 
     def progress(done, label):
@@ -156,12 +169,29 @@ def _profile(args) -> None:
     print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
 
 
+def _profile_graph(args, model) -> None:
+    from profiles.graph_profiler import profile_graph
+
+    print(f"capturing and profiling {model.name}'s training step as a graph of at most {args.nodes} nodes...",
+          file=sys.stderr, flush=True)
+    graph = profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=args.nodes, estimate=args.estimate,
+                          throughput=args.throughput, device=args.device, warmup=args.warmup, repeats=args.repeats,
+                          name=model.name)
+    save_graph(graph, args.output)
+    print("\n".join(render.graph_summary(graph, store_all_graph_peak(graph)) + [f"graph written to {args.output}"]))
+
+
 def _train(args) -> None:
     from profiles.chain_profiler import checked_device
     from profiles.spec import load_model
 
     checked_device(args.device)
     model, _ = load_model(args.spec, batch=args.batch)
+    if args.graph:
+        _train_graph(args, model)
+        return
+    if args.time_limit is not None:
+        raise MemschedError("--time-limit is for graph solvers: give it with --graph")
     if args.plan:
         plan = load_plan(args.plan)
         chain = load_chain(args.chain) if args.chain else None
@@ -174,7 +204,7 @@ def _train(args) -> None:
         budget = parse_budget(args.budget, solvers.store_all_peak(chain))
         plan = solvers.solve(chain, budget, args.solver)
         print("\n".join(render.solve_summary(plan, args.solver)))
-    _train_and_report(model, plan, chain, args.steps, args.device, args.lr)
+    _train_chain(model, plan, chain, args.steps, args.device, args.lr)
 
 
 def _demo(args) -> None:
@@ -193,7 +223,7 @@ def _demo(args) -> None:
     if args.plot:
         plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
         print(f"timeline plot written to {args.plot}\n")
-    _train_and_report(model, plan, chain, args.steps, "cpu", 1e-3)
+    _train_chain(model, plan, chain, args.steps, "cpu", 1e-3)
 
 
 def _profile_quietly(model, device):
@@ -203,25 +233,88 @@ def _profile_quietly(model, device):
     return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device, name=model.name)
 
 
-def _train_and_report(model, plan, chain, steps, device, lr) -> None:
-    """Train by ``plan`` and, for reference, the unmodified model; print measured against predicted."""
+def _train_graph(args, model) -> None:
+    """``train --graph``: a graph plan (solved here, or ``--plan``) run by the graph executor."""
+    from planner.graph import load_graph
+    from planner.graph_executor import GraphExecutor
+    from profiles.graph_profiler import profile_graph
+
+    if args.chain:
+        raise MemschedError("--chain is a chain profile; with --graph give a graph profile as --graph GRAPH.json")
+    if args.device != "cpu":
+        model.stages = [(name, module.to(args.device)) for name, module in _named(model.stages)]
+        model.example_inputs = _moved(model.example_inputs, args.device)
+    if isinstance(args.graph, str):
+        graph = load_graph(args.graph)
+    else:
+        print(f"capturing and profiling {model.name}'s training step as a graph of at most {args.nodes} nodes...",
+              file=sys.stderr, flush=True)
+        graph = profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=args.nodes, device=args.device,
+                              name=model.name)
+    if args.plan:
+        plan = load_plan(args.plan)
+        check_graph_plan_matches(plan, graph, plan_where=args.plan)
+    else:
+        if not args.budget:
+            raise MemschedError("train needs --budget (or a ready --plan)")
+        if args.time_limit is not None and not args.time_limit > 0:
+            raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+        plan = solve_graph(graph, parse_budget(args.budget, store_all_graph_peak(graph)), args.solver,
+                           time_limit=args.time_limit)
+        print("\n".join(_graph_summary(plan, args.solver)))
+    executor = GraphExecutor(model, plan, graph)
+    stages = _named(model.stages)
+    _train_and_report(model, plan, lambda: executor.step(), stages, graph.fixed_bytes, args.steps, args.device, args.lr)
+
+
+def _named(stages):
+    from profiles.chain_profiler import named_stages
+
+    return named_stages(stages)
+
+
+def _moved(inputs, device):
     import torch
 
-    from planner.executor import apply_plan
-    from planner.training import measure_steps, plain_forward
-    from profiles.chain_profiler import default_loss, named_stages
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
 
-    stages = [(name, module.to(device)) for name, module in named_stages(model.stages)]
-    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in model.example_inputs)
+
+def _train_chain(model, plan, chain, steps, device, lr) -> None:
+    """Train by a chain ``plan`` with :func:`planner.executor.apply_plan`."""
+    from planner.executor import apply_plan
+    from planner.training import input_bytes
+    from profiles.chain_profiler import default_loss
+
+    stages = [(name, module.to(device)) for name, module in _named(model.stages)]
+    inputs = _moved(model.example_inputs, device)
     planned = apply_plan(stages, plan, chain)
-    parameters = [p for p in planned.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(parameters, lr=lr)
     loss_fn = model.loss_fn or default_loss
+    model.example_inputs = inputs
+    _train_and_report(model, plan, lambda: loss_fn(planned(*inputs)), stages, input_bytes(inputs), steps, device, lr)
+
+
+def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, device, lr) -> None:
+    """Train by ``planned_step`` and, for reference, the unmodified model; print measured against predicted.
+
+    ``resident_bytes`` is what the plan's prediction counts as already allocated (the inputs for a chain,
+    ``fixed_bytes`` for a graph): both runs' peaks are counted on that basis.
+    """
+    import torch
+
+    from planner.training import measure_steps, plain_forward
+    from profiles.chain_profiler import default_loss
+
+    loss_fn = model.loss_fn or default_loss
+    inputs = model.example_inputs
+    parameters = list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
+                       for p in module.parameters() if p.requires_grad}.values())
+    optimizer = torch.optim.Adam(parameters, lr=lr)
     for parameter in parameters:  # optimizer state exists before the first measured window, as in steady state
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
-    measured = measure_steps(planned, loss_fn, inputs, parameters, optimizer, steps, device)
-    plain = measure_steps(lambda *xs: plain_forward(stages, xs), loss_fn, inputs, parameters, optimizer, steps, device)
+    measured = measure_steps(planned_step, parameters, optimizer, steps, device, resident_bytes)
+    plain = measure_steps(lambda: loss_fn(plain_forward(stages, inputs)), parameters, optimizer, steps, device,
+                          resident_bytes)
     print("\n".join(render.training_table(plan, measured, plain)))
 
 

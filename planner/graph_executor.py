@@ -105,11 +105,15 @@ class GraphExecutor:
 
 
 def _check_same_graph(joint, graph: Graph) -> None:
-    """The re-captured groups must be the graph's nodes: names, dependencies, parameters, keep and random."""
+    """The re-captured step must be the graph's: the same fixed bytes (so the same parameter and input sizes) and
+    groups matching its nodes in names, dependencies, parameters, keep and random."""
     mismatch = "the plan was solved for another graph"
     if len(joint.groups) != graph.size:
         raise MemschedError(f"{mismatch}: this model's captured step has {len(joint.groups)} nodes, the plan's graph "
                             f"'{graph.name}' {graph.size}; profile this model (memsched profile SPEC --graph) and solve again")
+    if joint.fixed_bytes != graph.fixed_bytes:
+        raise MemschedError(f"{mismatch}: its parameters, buffers and inputs take {graph.fixed_bytes} bytes, this model's "
+                            f"{joint.fixed_bytes} (another batch size or width?); profile this model and solve again")
     for index, (group, node) in enumerate(zip(joint.groups, graph.nodes)):
         ours = (group.name, tuple(group.deps), tuple(group.params), group.keep, group.random)
         theirs = (node.name, tuple(node.deps), tuple(node.params), node.keep, node.random)

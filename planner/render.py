@@ -190,6 +190,23 @@ def chain_table(chain) -> list:
     return lines
 
 
+def graph_summary(graph, store_all_peak: int, heaviest: int = 8) -> list:
+    """A graph profile in a few lines: node counts, memory and time, and its heaviest nodes by held bytes."""
+    nodes = graph.nodes
+    backward = sum(node.backward for node in nodes)
+    lines = [f"graph {graph.name}: {len(nodes)} nodes ({len(nodes) - backward} forward, {backward} backward; "
+             f"{sum(node.keep for node in nodes)} kept to the end, {sum(node.random for node in nodes)} random)",
+             f"fixed {format_bytes(graph.fixed_bytes)} (parameters, buffers, inputs); store-all peak "
+             f"{format_bytes(store_all_peak)}; one step without recomputation {format_seconds(graph.compute_time)} "
+             f"on {graph.device} ({graph.source})",
+             f"{'node':<28} {'ms':>8} {'out':>10} {'tmp':>10} {'reads':>6}"]
+    for index in sorted(range(len(nodes)), key=lambda k: -nodes[k].out_bytes)[:heaviest]:
+        node = nodes[index]
+        lines.append(f"{index:>4} {node.name[:23]:<23} {node.time * 1e3:8.3f} {format_bytes(node.out_bytes):>10} "
+                     f"{format_bytes(node.tmp_bytes):>10} {len(node.deps):>6}")
+    return lines
+
+
 def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
     """``[#########.........] 12/40 block11`` for ``done`` of ``total`` items."""
     filled = width * done // max(total, 1)

@@ -34,21 +34,20 @@ def plain_forward(stages, inputs):
     return activation
 
 
-def measure_steps(forward, loss_fn, inputs, parameters, optimizer, steps: int, device) -> list:
-    """Run ``steps`` training steps of ``loss_fn(forward(*inputs))``, measuring each.
+def measure_steps(step, parameters, optimizer, steps: int, device, resident_bytes: int) -> list:
+    """Run ``steps`` training steps, measuring each; ``step()`` runs forward, loss and backward, returns the loss.
 
-    On CPU each step runs twice: once under the live-memory tracker for its peak, whose dispatch hook would
-    slow it, then once timed; the optimizer steps on the timed run's gradients. On CUDA one run gives both.
+    A peak is ``resident_bytes`` (what the prediction counts as already there: the inputs for a chain, the
+    graph's ``fixed_bytes`` for a graph) plus what the step allocates. On CPU each step runs twice: once under
+    the live-memory tracker for its peak, whose dispatch hook would slow it, then once timed; the optimizer
+    steps on the timed run's gradients. On CUDA one run gives both.
     """
     device = torch.device(device)
-    input_bytes = storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
 
-    def step():
+    def fresh_step():
         for parameter in parameters:
             parameter.grad = None
-        loss = loss_fn(forward(*inputs))
-        loss.backward()
-        return float(loss.detach())
+        return float(step().detach())
 
     measures = []
     for _ in range(steps):
@@ -57,15 +56,20 @@ def measure_steps(forward, loss_fn, inputs, parameters, optimizer, steps: int, d
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 started = time.perf_counter()
-            loss = step()
+            loss = fresh_step()
             peak = meter.peak - start
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
         else:
             started = time.perf_counter()
-            loss = step()
+            loss = fresh_step()
             seconds = time.perf_counter() - started
-        measures.append(StepMeasure(peak_bytes=peak + input_bytes, seconds=seconds, loss=loss))
+        measures.append(StepMeasure(peak_bytes=peak + resident_bytes, seconds=seconds, loss=loss))
         optimizer.step()
     return measures
+
+
+def input_bytes(inputs) -> int:
+    """Bytes of the distinct storages of the tensors in ``inputs``."""
+    return storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
