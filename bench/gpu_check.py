@@ -198,7 +198,7 @@ class Checks:
     def segments(self):
         swept = bench_executor.sweep(self.bench)
         bench_executor.print_sweep(swept)
-        rows = bench_executor.compare(self.bench, self.chain, swept, self.reference)
+        rows = bench_executor.compare(self.bench, self.chain, swept, self.reference, slots=10000)
         bench_executor.print_compare(rows)
         done = [row for row in rows if "error" not in row]
         ratios = [row["rotor_s"] / row["cs_s"] for row in done]

@@ -30,6 +30,7 @@ from planner.simulator import ChainSimulator
 from solvers.extremes import store_all_schedule
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
+from solvers.sqrt import fastest_segments
 from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
@@ -38,6 +39,7 @@ from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 numba.config.THREADING_LAYER = "workqueue"
 
 DEFAULT_SLOTS = 500
+SEGMENTS_CHECKED_UP_TO = 64  # stages: beyond, checking every segment schedule costs more than the DP
 
 
 @numba.njit(cache=True, inline="always")
@@ -154,7 +156,11 @@ def rotor(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Solution:
     ends of the budget range, so both ends are checked in bytes first: when
     storing everything fits, that is the optimum; when the discretised table
     has no schedule, the least-memory schedule is returned if it fits (not
-    marked optimal).
+    marked optimal). Rounding can also hide a schedule whose peak is within a
+    few units of the budget: on chains of up to ``SEGMENTS_CHECKED_UP_TO``
+    stages every segment schedule (Chen's and ``checkpoint_sequential``'s
+    cuts) is checked in bytes too, and one faster than the table's is returned
+    (not marked optimal), so Rotor is never slower than them at any budget.
     """
     params = {"slots": slots}
     simulator = ChainSimulator(chain)
@@ -162,11 +168,18 @@ def rotor(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Solution:
     if simulator.run(store_all).peak_bytes <= budget:
         return Solution(store_all, params=params, optimal=True)
     unit, arrays, top = discretise(chain, budget, slots)
+    found = None
     if top >= 0:
         opt = compute_table(arrays, top)
         if np.isfinite(opt[0, chain.length, top]) and final_state_fits(arrays, top):
             schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
-            return Solution(schedule, params=params, optimal=True)
+            found = Solution(schedule, params=params, optimal=True)
+    if chain.length <= SEGMENTS_CHECKED_UP_TO:
+        segments = fastest_segments(chain, budget)
+        if segments is not None and (found is None or segments[0] < simulator.run(found.schedule).time):
+            found = Solution(segments[1], params=params, optimal=False)
+    if found is not None:
+        return found
     least = least_memory_schedule(chain)
     if simulator.run(least).peak_bytes <= budget:
         return Solution(least, params=params, optimal=False)

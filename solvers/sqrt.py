@@ -26,9 +26,17 @@ def segment_bounds(length: int, segments: int) -> list:
     return bounds
 
 
-def segments_schedule(length: int, segments: int) -> tuple:
-    """The Chen schedule with ``segments`` segments (1 = store all, ``length`` = one checkpoint per stage)."""
-    bounds = segment_bounds(length, segments)
+def checkpoint_sequential_bounds(length: int, segments: int) -> list:
+    """The cut of ``torch.utils.checkpoint.checkpoint_sequential``: ``length // segments`` stages per segment
+    from the start, the remainder in the last one."""
+    size = length // segments
+    return [size * c for c in range(segments)] + [length]
+
+
+def segments_schedule(length: int, segments: int, bounds=None) -> tuple:
+    """The Chen schedule with ``segments`` segments (1 = store all, ``length`` = one checkpoint per stage), cut at
+    ``bounds`` (default :func:`segment_bounds`)."""
+    bounds = bounds or segment_bounds(length, segments)
     ops = []
     for start, end in zip(bounds[:-2], bounds[1:-1]):
         ops.append(Op("F_ck", start))
@@ -41,6 +49,23 @@ def segments_schedule(length: int, segments: int) -> tuple:
         ops.extend(Op("F_all", k) for k in range(start, end))
         ops.extend(Op("B", k) for k in reversed(range(start, end)))
     return tuple(ops)
+
+
+def fastest_segments(chain: Chain, budget: int):
+    """``(seconds, schedule)``: the fastest segment schedule within ``budget`` bytes, or None.
+
+    Both cuts count, near-equal (Chen's) and ``checkpoint_sequential``'s, for every segment count.
+    """
+    simulator = ChainSimulator(chain)
+    best = None
+    for count in range(1, chain.length + 1):
+        cuts = {tuple(segment_bounds(chain.length, count)), tuple(checkpoint_sequential_bounds(chain.length, count))}
+        for bounds in sorted(cuts):
+            schedule = segments_schedule(chain.length, count, list(bounds))
+            result = simulator.run(schedule)
+            if result.peak_bytes <= budget and (best is None or result.time < best[0]):
+                best = (result.time, schedule)
+    return best
 
 
 def sqrt(chain: Chain, budget: int, segments: int = None) -> Solution:
