@@ -268,7 +268,7 @@ def _train_graph(args, model) -> None:
 
 
 def _named(stages):
-    from profiles.chain_profiler import named_stages
+    from planner.stages import named_stages
 
     return named_stages(stages)
 
@@ -282,7 +282,7 @@ def _moved(inputs, device):
 def _train_chain(model, plan, chain, steps, device, lr) -> None:
     """Train by a chain ``plan`` with :func:`planner.executor.apply_plan`."""
     from planner.executor import apply_plan
-    from planner.training import input_bytes
+    from planner.training import autograd_step, input_bytes
     from profiles.chain_profiler import default_loss
 
     stages = [(name, module.to(device)) for name, module in _named(model.stages)]
@@ -290,7 +290,8 @@ def _train_chain(model, plan, chain, steps, device, lr) -> None:
     planned = apply_plan(stages, plan, chain)
     loss_fn = model.loss_fn or default_loss
     model.example_inputs = inputs
-    _train_and_report(model, plan, lambda: loss_fn(planned(*inputs)), stages, input_bytes(inputs), steps, device, lr)
+    _train_and_report(model, plan, autograd_step(planned, loss_fn, inputs), stages, input_bytes(inputs), steps, device,
+                      lr)
 
 
 def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, device, lr) -> None:
@@ -301,7 +302,7 @@ def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, 
     """
     import torch
 
-    from planner.training import measure_steps, plain_forward
+    from planner.training import autograd_step, measure_steps, plain_forward
     from profiles.chain_profiler import default_loss
 
     loss_fn = model.loss_fn or default_loss
@@ -313,8 +314,8 @@ def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, 
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     measured = measure_steps(planned_step, parameters, optimizer, steps, device, resident_bytes)
-    plain = measure_steps(lambda: loss_fn(plain_forward(stages, inputs)), parameters, optimizer, steps, device,
-                          resident_bytes)
+    plain = measure_steps(autograd_step(lambda *xs: plain_forward(stages, xs), loss_fn, inputs), parameters, optimizer,
+                          steps, device, resident_bytes)
     print("\n".join(render.training_table(plan, measured, plain)))
 
 

@@ -43,13 +43,12 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import MemschedError
+from planner.stages import named_stages
 from planner.plan import FORWARD_OPS, Plan, check_plan_matches
 
 
 def apply_plan(stages, plan: Plan, chain=None) -> "PlannedChain":
     """A module running ``stages`` by ``plan``; with ``chain`` the plan's fingerprint and stage names are checked."""
-    from profiles.chain_profiler import named_stages
-
     pairs = named_stages(stages)
     planned = 1 + max(op.stage for op in plan.schedule if op.stage is not None)
     if planned != len(pairs):

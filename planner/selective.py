@@ -88,6 +88,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.errors import MemschedError
+from planner.stages import named_stages
 from planner.graph import Graph, schedule_with_frees
 from planner.graph_executor import _check_same_graph
 from planner.graph_simulator import GraphSimulator, simulate_graph
@@ -316,7 +317,6 @@ def _parts(model, example_inputs, loss_fn):
 
 
 def _pairs(stages) -> list:
-    from profiles.chain_profiler import named_stages
 
     return named_stages(stages)
 

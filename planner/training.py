@@ -34,6 +34,16 @@ def plain_forward(stages, inputs):
     return activation
 
 
+def autograd_step(forward, loss_fn, inputs):
+    """A step for :func:`measure_steps`: ``loss_fn(forward(*inputs)).backward()``, returning the loss."""
+    def step():
+        loss = loss_fn(forward(*inputs))
+        loss.backward()
+        return loss
+
+    return step
+
+
 def measure_steps(step, parameters, optimizer, steps: int, device, resident_bytes: int) -> list:
     """Run ``steps`` training steps, measuring each; ``step()`` runs forward, loss and backward, returns the loss.
 

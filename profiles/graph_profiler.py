@@ -57,7 +57,8 @@ from torch.utils._pytree import tree_flatten
 
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode
-from profiles.chain_profiler import DEFAULT_THROUGHPUT, checked_device, default_loss, named_stages
+from planner.stages import named_stages
+from profiles.chain_profiler import DEFAULT_THROUGHPUT, checked_device, default_loss
 from profiles.memory import LiveMemoryTracker, memory_meter
 
 
