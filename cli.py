@@ -392,30 +392,6 @@ def _graph_compact(schedule, width: int = 76) -> list:
     return lines + [line]
 
 
-def _graph_timeline(result, plan, graph, width: int = 60) -> list:
-    """The chain's ASCII memory timeline, its letters those of graph operations (the operation peaking in each
-    column, as :func:`planner.render.ascii_timeline` picks it)."""
-    lines = render.ascii_timeline(result, plan.budget_bytes, width=width)
-    steps = result.timeline
-    seen, letters = set(), []
-    for step in steps:
-        node = step.op.node
-        if step.op.kind == "free":
-            letters.append(".")
-        else:
-            letters.append("B" if graph.nodes[node].backward else "R" if node in seen else "F")
-            seen.add(node)
-    count = len(steps)
-    columns = []
-    for c in range(width):
-        first = c * count // width
-        columns.append(max(steps[first:max(first + 1, (c + 1) * count // width)], key=lambda step: step.peak))
-    lines[-3] = lines[-3][:len(lines[-3]) - width] + "".join(letters[step.index] for step in columns)
-    lines[-1] = "F forward, R recomputed forward, B backward (computed or recomputed), . free (the operation peaking " \
-                "in each column)"
-    return lines
-
-
 def _show(args) -> None:
     plan = load_plan(args.plan)
     if plan.kind == "graph" or args.graph:
@@ -439,8 +415,8 @@ def _show(args) -> None:
 def _show_graph(args, plan) -> None:
     if args.chain:
         raise MemschedError(f"{args.plan} is a graph plan: give its graph with --graph GRAPH.json, not --chain")
-    if args.plot:
-        raise MemschedError("--plot draws chain plans; for a graph plan, show prints the memory timeline as text")
+    if args.plot and not args.graph:
+        raise MemschedError("--plot draws the memory timeline, which needs the graph: add --graph GRAPH.json")
     graph = Graph.from_dict(read_json(args.graph), where=args.graph) if args.graph else None
     if graph is not None:
         check_graph_plan_matches(plan, graph, plan_where=args.plan)
@@ -451,7 +427,11 @@ def _show_graph(args, plan) -> None:
     lines += ["  " + line for line in _graph_compact(plan.schedule)]
     if graph is not None:
         result = simulate_graph(graph, plan)
-        lines += [""] + render.simulation_lines(plan, result) + [""] + _graph_timeline(result, plan, graph)
+        categories = render.graph_op_categories(plan.schedule, graph)
+        lines += [""] + render.simulation_lines(plan, result) + [""] + render.graph_timeline(result, plan, categories)
+        if args.plot:
+            plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan", categories)
+            lines.append(f"timeline plot written to {args.plot}")
     print("\n".join(lines))
 
 

@@ -34,13 +34,15 @@ def _save(figure, path) -> None:
         raise MemschedError(f"{path}: cannot write the plot ({exc.strerror}); choose a writable path in an existing folder") from None
 
 
-def plot_timeline(result, budget_bytes: int, path, title: str) -> None:
+def plot_timeline(result, budget_bytes: int, path, title: str, categories=None) -> None:
     """Save a PNG of memory (MiB) against time (seconds) for a :class:`planner.simulator.SimResult`.
 
     Each operation is drawn as a step from the memory before it to its peak,
     held for its duration, then down to the memory after it; the area under
     each peak is coloured by kind (first forward, recomputed forward, loss,
-    backward). A dashed line marks ``budget_bytes``, a triangle the peak.
+    backward; a chain's by default, ``categories`` per operation otherwise, as
+    :func:`planner.render.graph_op_categories` gives them for a graph plan). A
+    dashed line marks ``budget_bytes``, a triangle the peak.
     """
     figure = _figure()
     axes = figure.add_subplot()
@@ -49,7 +51,7 @@ def plot_timeline(result, budget_bytes: int, path, title: str) -> None:
     for step in steps:
         times += [step.start, step.start, step.end, step.end]
         memory += [step.memory_before / MIB, step.peak / MIB, step.peak / MIB, step.memory_after / MIB]
-    categories = op_categories(step.op for step in steps)
+    categories = categories or op_categories(step.op for step in steps)
     for category, colour in _CATEGORY_COLOURS.items():
         spans = [step for step, kind in zip(steps, categories) if kind == category]
         if spans:

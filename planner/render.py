@@ -40,6 +40,37 @@ def op_categories(ops) -> list:
     return categories
 
 
+def graph_op_categories(schedule, graph) -> list:
+    """Per graph operation: 'forward', 'recomputed forward', 'backward' (a backward node, computed or recomputed)
+    or 'free'."""
+    seen, categories = set(), []
+    for op in schedule:
+        if op.kind == "free":
+            categories.append("free")
+        else:
+            categories.append("backward" if graph.nodes[op.node].backward
+                              else "recomputed forward" if op.node in seen else "forward")
+            seen.add(op.node)
+    return categories
+
+
+def graph_timeline(result, plan, categories, width: int = 60) -> list:
+    """:func:`ascii_timeline` for a graph plan, its letters those of graph operations (the operation peaking in
+    each column, as there)."""
+    lines = ascii_timeline(result, plan.budget_bytes, width=width)
+    letter = {"forward": "F", "recomputed forward": "R", "backward": "B", "free": "."}
+    steps = result.timeline
+    count = len(steps)
+    columns = []
+    for c in range(width):
+        first = c * count // width
+        columns.append(max(steps[first:max(first + 1, (c + 1) * count // width)], key=lambda step: step.peak))
+    lines[-3] = lines[-3][:len(lines[-3]) - width] + "".join(letter[categories[step.index]] for step in columns)
+    lines[-1] = "F forward, R recomputed forward, B backward (computed or recomputed), . free (the operation peaking " \
+                "in each column)"
+    return lines
+
+
 def _schedule_groups(schedule) -> list:
     """Consecutive ops of one kind over consecutive stages as one range: ``F_all 5-19``, ``B 19-5``."""
     groups = []  # [kind, first stage, last stage, direction (+1, -1 or 0 while single)]

@@ -57,6 +57,12 @@ def test_solve_and_show_a_graph(files, capsys, solver):
     assert "compute 0" in shown and "simulated  peak" in shown and "memory over" in shown and "v peak" in shown
     assert cli.main(["show", str(out)]) == 0
     assert "schedule" in capsys.readouterr().out
+    png = files["folder"] / f"{solver}.png"
+    assert cli.main(["show", str(out), "--graph", files["graph"], "--plot", str(png)]) == 0
+    assert f"timeline plot written to {png}" in capsys.readouterr().out
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert cli.main(["show", str(out), "--plot", str(png)]) == 2  # the timeline needs the graph
+    assert "--graph" in capsys.readouterr().err
 
 
 def test_solve_options_reach_the_solvers(files, capsys):
