@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from planner.graph import Graph
 from planner.plan import GraphOp, Plan, check_graph_plan_matches
-from planner.simulator import ScheduleError, SimResult, Step
+from planner.simulator import ScheduleError, SimResult, replay
 
 
 class GraphState(NamedTuple):
@@ -78,21 +78,11 @@ class GraphSimulator:
         The timeline holds one :class:`planner.simulator.Step` per operation
         (memory in bytes, ``fixed_bytes`` included; start and end in seconds).
         """
-        state = self.initial_state()
-        clock, peak, timeline = 0.0, state.memory, []
-        for index, op in enumerate(schedule):
-            try:
-                new, op_peak, seconds = self.step(state, op)
-            except ValueError as exc:
-                raise ScheduleError(f"operation {index} ({op}): {exc}") from None
-            timeline.append(Step(index, op, clock, clock + seconds, state.memory, op_peak, new.memory))
-            clock += seconds
-            peak = max(peak, op_peak)
-            state = new
+        state, result = replay(self.initial_state(), self.step, schedule, "operation {index}")
         if state.computed != self.full_mask:
             missing = next(i for i in range(self.graph.size) if not state.computed >> i & 1)
             raise ScheduleError(f"schedule ends before node {missing} ({self.graph.nodes[missing].name}) is computed")
-        return SimResult(peak_bytes=peak, time=clock, timeline=tuple(timeline))
+        return result
 
 
 def simulate_graph(graph: Graph, plan_or_schedule) -> SimResult:

@@ -172,22 +172,29 @@ class ChainSimulator:
 
     def run(self, schedule) -> SimResult:
         """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation."""
-        state = self.initial_state()
-        clock, peak, timeline = 0.0, state.memory, []
-        for index, op in enumerate(schedule):
-            try:
-                new, op_peak, seconds = self.step(state, op)
-            except ValueError as exc:
-                raise ScheduleError(f"schedule[{index}] ({op}): {exc}") from None
-            timeline.append(Step(index, op, clock, clock + seconds, state.memory, op_peak, new.memory))
-            clock += seconds
-            peak = max(peak, op_peak)
-            state = new
+        state, result = replay(self.initial_state(), self.step, schedule, "schedule[{index}]")
         if not self.is_complete(state):
             missing = next(i for i in range(self.length, -1, -1) if not state.done >> i & 1)
             what = "the loss" if missing == self.length else f"the backward of stage {missing}"
             raise ScheduleError(f"schedule ends before {what}")
-        return SimResult(peak_bytes=peak, time=clock, timeline=tuple(timeline))
+        return result
+
+
+def replay(state, step, schedule, label: str) -> tuple:
+    """``(final state, SimResult)``: ``step(state, op) -> (new state, peak bytes, seconds)`` applied to every
+    operation in turn (the state has a ``memory`` field in bytes). A ``ValueError`` from ``step`` becomes a
+    :class:`ScheduleError` prefixed by ``label`` (formatted with ``index``) and the operation."""
+    clock, peak, timeline = 0.0, state.memory, []
+    for index, op in enumerate(schedule):
+        try:
+            new, op_peak, seconds = step(state, op)
+        except ValueError as exc:
+            raise ScheduleError(f"{label.format(index=index)} ({op}): {exc}") from None
+        timeline.append(Step(index, op, clock, clock + seconds, state.memory, op_peak, new.memory))
+        clock += seconds
+        peak = max(peak, op_peak)
+        state = new
+    return state, SimResult(peak_bytes=peak, time=clock, timeline=tuple(timeline))
 
 
 def simulate(chain: Chain, plan_or_schedule) -> SimResult:

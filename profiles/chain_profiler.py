@@ -80,7 +80,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     device = device or _device_of(inputs)
     runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
     modules = [module for _, module in pairs]
-    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device), _quiet_fake_tensor_log():
+    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
         resident = _tensors(inputs)
         profiled, owned = [], _parameter_owners(modules)
@@ -101,7 +101,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log():
+def quiet_fake_tensor_log():
     """A stage failing on fake tensors makes torch log a traceback; the one-line error names it instead."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level

@@ -47,7 +47,6 @@ a plan was solved for it.
 
 import contextlib
 import heapq
-import logging
 import operator
 import statistics
 import time
@@ -58,7 +57,7 @@ from torch.utils._pytree import tree_flatten
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode
 from planner.stages import named_stages
-from profiles.chain_profiler import DEFAULT_THROUGHPUT, checked_device, default_loss
+from profiles.chain_profiler import DEFAULT_THROUGHPUT, checked_device, default_loss, quiet_fake_tensor_log
 from profiles.memory import LiveMemoryTracker, memory_meter
 
 
@@ -206,7 +205,7 @@ def capture(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, device=
     device = inputs[0].device
     fake_mode = existing or FakeTensorMode(allow_non_fake_inputs=True)
     traced_inputs = [_fake(fake_mode, t.detach()) for t in inputs]
-    with _quiet_logs(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with quiet_fake_tensor_log(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
             gm, signature = aot_export_module(module, traced_inputs, trace_joint=True, output_loss_index=0)
         except MemschedError:
@@ -224,17 +223,6 @@ def capture(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, device=
     gm.recompile()
     _group(joint, nodes, inputs)
     return joint
-
-
-@contextlib.contextmanager
-def _quiet_logs():
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _one_line(exc) -> str:
@@ -320,7 +308,7 @@ def _analyse(joint: JointGraph, inputs):
     for value in env.values():
         fixed_keys.update(_storage_keys(value))
     storages, flops, checks = {}, {}, []
-    with fake_mode, torch.no_grad(), _quiet_logs():
+    with fake_mode, torch.no_grad(), quiet_fake_tensor_log():
         for node in joint.gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -652,7 +640,7 @@ def _measure(joint: JointGraph, fake_mode, warmup: int, repeats: int, throughput
     """``[(seconds, out_bytes, tmp_bytes)]`` per group, from store-all runs of the step (see the module docstring)."""
     schedule = _store_all(joint)
     sizes = {}
-    with preserved_state(joint), (fake_mode or contextlib.nullcontext()), _quiet_logs():
+    with preserved_state(joint), (fake_mode or contextlib.nullcontext()), quiet_fake_tensor_log():
         fixed = joint.fixed_values(joint.example_inputs, fake_mode)
         meter = LiveMemoryTracker() if fake_mode else memory_meter(joint.device)
         with meter:

@@ -2,25 +2,11 @@
 
 import json
 
-import cli
 from planner.graph import load_graph
+from test_cli_train import one_error_line, run
 
 TINY = "gpt-tiny:layers=1,d=16,heads=2,seq=8,vocab=32,batch=4"
 OTHER = "gpt-tiny:layers=1,d=16,heads=2,seq=8,vocab=32,batch=2"
-
-
-def run(capsys, *argv):
-    status = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def one_error_line(status, out, err):
-    assert status == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memsched: error:"), err
-    assert "Traceback" not in err and "with the plan:" not in out  # nothing trained
-    return lines[0]
 
 
 def measured_ratios(out):

@@ -17,9 +17,10 @@ from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode, schedule_with_frees, store_all_graph_schedule
 from planner.graph_simulator import GraphSimulator
 from profiles.synthetic import random_graph
-from solvers.checkmate import checkmate, checkmate_lp
+from solvers.checkmate import CheckmateModel, checkmate, checkmate_lp
 from solvers.checkmate import least_peak as checkmate_least_peak
 from solvers.graph import graph_lower_bound, graph_minimum, solve_graph, store_all_graph_peak
+from solvers.graph_heuristic import greedy_order
 from solvers.moccasin import moccasin
 
 SHAPES = ("random", "resnet", "transformer")
@@ -108,7 +109,59 @@ def test_medium_graphs_solvers_agree(seed, size):
         assert mocc.optimal and mocc_time <= fastest * (1 + 1e-9)
     rounded = checkmate_lp(graph, budget)
     assert not rounded.optimal
-    assert simulated(graph, rounded, budget).time >= fastest * (1 - 1e-9)
+    rounded_time = simulated(graph, rounded, budget).time
+    assert rounded_time >= fastest * (1 - 1e-9)
+    # its gap is to a safe lower bound from the LP: never above the MILP's optimum
+    assert rounded.gap is not None and (1 - rounded.gap) * rounded_time <= fastest * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed, size", [(0, 12), (1, 16), (3, 30), (4, 20)])
+def test_heuristic_start_fits_and_is_a_point_of_the_model(seed, size):
+    graph = random_graph(100 + seed, size, scale_bytes=1000, shape=SHAPES[seed % 3])
+    high = store_all_graph_peak(graph)
+    assert greedy_order(graph, high) == tuple(range(graph.size))  # store-all when it fits
+    found = 0
+    for fraction in (0.6, 0.75, 0.9):
+        budget = int(fraction * high)
+        order = greedy_order(graph, budget)
+        if order is None:
+            continue
+        found += 1
+        result = GraphSimulator(graph).run(schedule_with_frees(graph, order))
+        assert result.peak_bytes <= budget
+        model = CheckmateModel(graph, budget)
+        assert model.start_vector(order) is not None  # a feasible point of the MILP: the incumbent HiGHS starts from
+        optimum = checkmate(graph, budget, time_limit=30)
+        if optimum.optimal:
+            assert result.time >= simulated(graph, optimum, budget).time * (1 - 1e-9)
+    assert found
+
+
+def test_warm_starts_change_no_optimum():
+    graph = random_graph(106, 16, scale_bytes=1000, shape="transformer")
+    budget = int(0.85 * store_all_graph_peak(graph))
+    order = greedy_order(graph, budget)
+    assert order is not None
+    cold = CheckmateModel(graph, budget).solve("highs", 30)
+    warm = CheckmateModel(graph, budget).solve("highs", 30, start_order=order)
+    warm_cbc = CheckmateModel(graph, budget).solve("cbc", 30, start_order=order)
+    assert cold.optimal and warm.optimal and warm_cbc.optimal
+    times = [GraphSimulator(graph).run(schedule_with_frees(graph, r.order)).time for r in (cold, warm, warm_cbc)]
+    assert same_time(times[0], times[1]) and same_time(times[0], times[2])
+    hinted = moccasin(graph, budget, max_computations=2, time_limit=20)
+    plain = moccasin(graph, budget, max_computations=2, time_limit=20, hint=False)
+    assert hinted.optimal and plain.optimal
+    assert same_time(simulated(graph, hinted, budget).time, simulated(graph, plain, budget).time)
+
+
+def test_gap_asked_for_is_honoured_against_a_valid_bound():
+    graph = random_graph(101, 16, scale_bytes=1000, shape="resnet")
+    budget = (graph_minimum(graph)[0] + store_all_graph_peak(graph)) // 2
+    fastest = simulated(graph, checkmate(graph, budget), budget).time
+    for gap in (0.5, 0.01):
+        solution = checkmate(graph, budget, time_limit=30, gap=gap)
+        seconds = simulated(graph, solution, budget).time
+        assert solution.gap <= gap and (1 - solution.gap) * seconds <= fastest * (1 + 1e-9) <= seconds * (1 + 2e-9)
 
 
 def chain_graph(length, seed):
