@@ -80,7 +80,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     device = device or _device_of(inputs)
     runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
     modules = [module for _, module in pairs]
-    with (fake_mode or contextlib.nullcontext()), _preserved_state(modules, device), quiet_fake_tensor_log():
+    with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
         resident = _tensors(inputs)
         profiled, owned = [], _parameter_owners(modules)
@@ -157,7 +157,7 @@ def _parameter_owners(modules) -> list:
 
 
 @contextlib.contextmanager
-def _preserved_state(modules, device):
+def preserved_state(modules, device):
     """Restore buffers (BatchNorm statistics...), parameter gradients and random number generators afterwards."""
     buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, torch.nn.Module) for b in m.buffers()]
     grads = [(p, p.grad) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]

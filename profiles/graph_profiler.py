@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode
 from planner.stages import named_stages
+from profiles import chain_profiler
 from profiles.chain_profiler import DEFAULT_THROUGHPUT, checked_device, default_loss, quiet_fake_tensor_log
 from profiles.memory import LiveMemoryTracker, memory_meter
 
@@ -624,16 +625,9 @@ def _store_all(joint: JointGraph) -> tuple:
 
 @contextlib.contextmanager
 def preserved_state(joint: JointGraph):
-    """Buffers (BatchNorm statistics) copied back and the random number generators forked around a measurement."""
-    buffers = [(b, b.detach().clone()) for b in joint.module.buffers()]
-    devices = [joint.device] if joint.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+    """Buffers (BatchNorm statistics), gradients and random number generators restored around a measurement."""
+    with chain_profiler.preserved_state([joint.module], joint.device):
+        yield
 
 
 def _measure(joint: JointGraph, fake_mode, warmup: int, repeats: int, throughput: float) -> list:

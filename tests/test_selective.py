@@ -30,11 +30,11 @@ from planner.graph_simulator import GraphSimulator
 from planner.plan import Plan, Predicted
 from planner.selective import (LOSS_REGION, checkpointed_model, is_save_plan, save_plan, save_plan_problem,
                                selective_policy)
-from profiles import zoo
 from profiles.graph_profiler import profile_graph
 from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
 from solvers.graph import solve_graph, store_all_graph_peak
+from test_graph_executor import build, named
 
 SEED = 11
 NODES = 40
@@ -44,15 +44,6 @@ MODELS = {
     "resnet-tiny": ("resnet-tiny:blocks=2,channels=4,size=16,batch=8", 0.75),
 }
 MAX_RATIO = 1.3  # measured peak under the policy over the plan's prediction (see the module docstring)
-
-
-def build(spec):
-    name, options = zoo.parse_spec(spec)
-    return zoo.build(name, **options)
-
-
-def named(model, what):
-    return {f"{stage}.{key}": tensor for stage, module in model.stages for key, tensor in getattr(module, what)()}
 
 
 def run_step(model):
