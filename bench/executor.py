@@ -373,7 +373,7 @@ def print_summary(results):
 # --------------------------------------------------------------------------------------------------
 
 
-def run_model(spec, measure, device, steps, warmup, slots, profile_repeats=5) -> dict:
+def run_model(spec, measure, device, steps, warmup, slots, overhead_only=False, profile_repeats=5) -> dict:
     model = load(spec, device)
     bench = Bench(model, measure, steps, warmup)
     started = time.perf_counter()
@@ -384,6 +384,8 @@ def run_model(spec, measure, device, steps, warmup, slots, profile_repeats=5) ->
           f"step {ms(chain.compute_time)} ms (profiled in {profile_seconds:.1f} s)")
     result = {"overhead": overhead(bench, chain)}
     print_overhead(result["overhead"])
+    if overhead_only:
+        return result
     if bench.sequential is None:
         print("  (b), (c) skipped: checkpoint_sequential needs stages that are modules taking only the activation")
         return result
@@ -425,6 +427,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default on cpu: 1; see above; on cuda: torch's default)")
     parser.add_argument("--slots", type=int, default=10000, help="rotor's memory slots (default 10000)")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="run part (a) only (more --steps for it: the ratio is a few percent, the noise too)")
     parser.add_argument("--wall-clock", action="store_true",
                         help="time CPU steps by wall clock (default with one thread: process CPU time; see Clock)")
     parser.add_argument("--adaptive-malloc", action="store_true",
@@ -444,7 +448,7 @@ def main():
           f"load average {load_average()}): median of {args.steps} steps after {args.warmup} by {clock.label}, "
           f"times in ms, peaks in MiB")
     try:
-        results = [(spec, run_model(spec, clock, args.device, args.steps, args.warmup, args.slots))
+        results = [(spec, run_model(spec, clock, args.device, args.steps, args.warmup, args.slots, args.overhead_only))
                    for spec in args.specs]
     except MemschedError as exc:
         parser.exit(2, f"bench/executor.py: error: {exc}\n")

@@ -74,6 +74,12 @@ class PlannedChain(torch.nn.Module):
         self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
         self.releases = _output_releases(plan.schedule, len(pairs))
         self.continued, self.absorbed = _fused_positions(plan.schedule)
+        # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):
+        # the loops below skip it, so a fused graph costs one operation's bookkeeping, as in a plain step.
+        continued_stages = {plan.schedule[position].stage for position in self.continued}
+        idle = {position for position in self.absorbed if plan.schedule[position].stage in continued_stages}
+        self.backward_positions = [position for position in range(self.loss_position + 1, len(plan.schedule))
+                                   if position not in idle]
         counts = {}
         for op in plan.schedule:
             if op.kind in FORWARD_OPS:
@@ -358,7 +364,7 @@ class _Schedule(torch.autograd.Function):
         del ctx.run
         planned = run.planned
         with torch.enable_grad():
-            for position in range(planned.loss_position + 1, len(planned.plan.schedule)):
+            for position in planned.backward_positions:
                 run.run(position)
         grads = list(run.grads.pop(0)) + run.extra_grads
         return (None, None, *grads)
