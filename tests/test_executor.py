@@ -597,8 +597,10 @@ def test_measured_peak_matches_the_prediction(fidelity, name, solver, fraction):
     clear_grads(model)
     measured = tracker.peak + input_bytes(model.example_inputs)
     predicted = plan.predicted.peak_bytes
-    assert abs(measured / predicted - 1) <= 0.05, (measured, predicted, measured / predicted)
-    assert measured <= 1.05 * budget, (measured, budget)
+    # The issue asks for 5%; the executor and the model agree to 0.8% here (measured 0.992-1.000 of predicted),
+    # so 2% guards that agreement.
+    assert abs(measured / predicted - 1) <= 0.02, (measured, predicted, measured / predicted)
+    assert measured <= budget, (measured, budget)
 
 
 def measured_and_predicted(model, chain, schedule):
