@@ -39,7 +39,11 @@ which never costs time or memory):
   can run in stage ``t`` or later (a consumer is a later node, or a
   recomputable one: not ``keep`` and itself read); a ``keep`` value has ``S = 1``;
 * ``N = 1`` constants where stage ``t``'s own node reads the value;
-* ``U`` only where a node can run, the steps in between summed.
+* ``U`` only where a node can run, the steps in between summed;
+* no ``U``, ``N`` or budget row in a stage where every value it has a
+  variable for, its own node's output, the ``keep`` values and its largest
+  temporary fit the budget together (each ``U`` counts a value at most once,
+  so those rows could never bind).
 
 A schedule is read from ``R`` (stage by stage, in index order) and every
 value freed eagerly (:func:`planner.graph.schedule_with_frees`), which holds
@@ -52,14 +56,24 @@ from a feasible schedule when the fast heuristic of
 :mod:`solvers.graph_heuristic` finds one within the budget (HiGHS
 ``setSolution``, CBC ``-mips``), so a time limit always has an incumbent to
 return once the heuristic succeeded; the start changes no optimum, only the
-search.
+search. With a time limit and HiGHS, :func:`checkmate` first solves the LP
+relaxation by the interior point method (at most half the time left): a lower
+bound that holds whatever the LP's accuracy (:meth:`CheckmateModel.safe_bound`),
+so the reported gap is honest even when the time limit stops the MILP before
+its own root LP, and roundings of its solution that may beat the greedy start.
+When the start is already within the requested gap of that bound (within 1e-9
+for gap 0: then proven optimal), the MILP is not run.
 
 ``checkmate_lp`` is the paper's approximation for large graphs: the LP
 relaxation, then rounding of ``S`` (deterministic at 1/2, then randomised,
 ``S[t,i]`` kept with probability ``S*[t,i]``), ``R`` rebuilt from the rounded
 ``S`` as the least recomputation that makes it valid, and a repair: a
 candidate above the budget is dropped, and while none fits the LP is solved
-again at a smaller budget. It is never proven optimal.
+again at a smaller budget. The LP is solved by HiGHS's interior point method
+without crossover (rounding needs values, not a vertex). It is never claimed
+optimal; its gap is measured against a lower bound that holds whatever the LP
+solution's accuracy: :meth:`CheckmateModel.safe_bound` of the LP's row
+multipliers at the true budget.
 
 Optimality is read from the solver's own status (HiGHS's model status, CBC's
 result line), never from a label that a time limit can also produce. The gap
@@ -85,6 +99,10 @@ from planner.graph_simulator import GraphSimulator
 
 BACKENDS = ("highs", "cbc")
 _THREADS = 2
+_EXCLUSIVE = True  # R + S <= 1
+_USED = True  # R[t,i] <= S[t+1,i] + Σ R[t,c]
+_LP_FIRST = True  # with a time limit, solve the LP relaxation first (bound and roundings)
+_LP_SHARE = 0.5  # of the time left after the heuristic
 _ONE = (-1, 1.0)  # a term: (column, constant); column -1 is the constant
 _ZERO = (-1, 0.0)
 
@@ -128,6 +146,7 @@ class MilpResult:
     order: tuple
     optimal: bool
     gap: float
+    objective: float = None  # the schedule's objective, offset included (model units)
 
 
 class CheckmateModel:
@@ -156,6 +175,7 @@ class CheckmateModel:
         # rows: (columns, coefficients), lower, upper
         self.row_cols, self.row_vals, self.row_lower, self.row_upper = [], [], [], []
         self.infeasible_constant = False
+        self.solution = self.row_dual = None  # set by solve (row_dual: relaxed models on HiGHS)
         self.R, self.S = {}, {}
         for t in range(n):
             for i in range(t):
@@ -185,27 +205,43 @@ class CheckmateModel:
         else:
             self.peak = None
             available = (budget - graph.fixed_bytes) / self.unit_mem
+            if available < 0:
+                self.infeasible_constant = True  # not even the fixed bytes fit
+                available = 0.0
             self.objective_offset = graph.compute_time / self.unit_time
         size = [node.out_bytes / self.unit_mem for node in nodes]
         tmp = [node.tmp_bytes / self.unit_mem for node in nodes]
-        for (t, i), col in self.R.items():
-            self._row([(1.0, (col, 0.0)), (1.0, (self.S[t, i], 0.0))], -math.inf, 1.0)
+        if _EXCLUSIVE:
+            for (t, i), col in self.R.items():
+                self._row([(1.0, (col, 0.0)), (1.0, (self.S[t, i], 0.0))], -math.inf, 1.0)
         for (t, i), col in self.S.items():
             if t + 1 < n and (t + 1, i) in self.S:
                 self._row([(1.0, (self.S[t + 1, i], 0.0)), (-1.0, (col, 0.0)), (-1.0, r(t, i))], -math.inf, 0.0)
-        for (t, i), col in self.R.items():  # a recomputation is read in its stage or carried to the next one
+        for (t, i), col in (self.R.items() if _USED else ()):  # a recomputation is read in its stage or carried on
             pairs = [(1.0, (col, 0.0)), (-1.0, s(t + 1, i))]
             pairs += [(-1.0, r(t, c)) for c in consumers[i] if c == t or (t, c) in self.R]
             self._row(pairs, -math.inf, 0.0)
+        live = [0] * n  # bytes of the values with a variable in each stage
+        for t, i in self.S:
+            live[t] += nodes[i].out_bytes
+        keep_before = 0
+        self.stages_without_memory = 0
         for t in range(n):
             # a node runnable in this stage needs its dependencies resident or computed before it
-            for k in range(t + 1):
-                if k != t and (t, k) not in self.R:
-                    continue
+            runnable = [k for k in range(t + 1) if k == t or (t, k) in self.R]
+            for k in runnable:
                 for i in nodes[k].deps:
                     if not nodes[i].keep:
                         self._row([(1.0, r(t, i)), (1.0, s(t, i)), (-1.0, r(t, k))], 0.0, math.inf)
-            self._stage_memory(t, r, s, size, tmp, available)
+            # no memory rows where every value the stage can hold, at once, fits with its largest temporary
+            most = graph.fixed_bytes + keep_before + live[t] + nodes[t].out_bytes + max(
+                nodes[k].tmp_bytes for k in runnable)
+            if budget is not None and most <= budget:
+                self.stages_without_memory += 1
+            else:
+                self._stage_memory(t, r, s, size, tmp, available)
+            if nodes[t].keep:
+                keep_before += nodes[t].out_bytes
 
     # --- building blocks -------------------------------------------------------------------------
 
@@ -285,7 +321,8 @@ class CheckmateModel:
                     if not nodes[i].keep:
                         pairs += [(size[i], need(i, k)), (-size[i], need(i, j))]
             pairs.append((size[k], r(t, k)))
-            u = self._column(-math.inf, math.inf, 0.0, False, ("sum", pairs))
+            # U is a sum of sizes times indicators in [0, 1], so >= 0; the budget row bounds it above
+            u = self._column(0.0, math.inf if available is None else available, 0.0, False, ("sum", pairs))
             self._row([(1.0, (u, 0.0))] + [(-coef, term) for coef, term in pairs], 0.0, 0.0)
             if available is None:
                 self._row([(1.0, (u, 0.0)), (tmp[k], r(t, k)), (-1.0, (self.peak, 0.0))], -math.inf, 0.0)
@@ -386,11 +423,56 @@ class CheckmateModel:
         gap_value = None
         if proven:
             gap_value = 0.0
-        elif bound is not None and total > 0:
+        elif total > 0 and not self.relaxed:
+            # every cost is >= 0, so 0 bounds the recomputation time when the solver has no bound yet
+            bound = 0.0 if bound is None else max(0.0, bound)
             gap_value = max(0.0, (total - (bound + self.objective_offset)) / total)
-        return MilpResult(order=self._order(), optimal=proven, gap=gap_value)
+        return MilpResult(order=self._order(), optimal=proven, gap=gap_value, objective=total)
 
-    def _highs_model(self, offset: bool):
+    def safe_bound(self, row_dual) -> float:
+        """A lower bound on the objective (offset included) of every point of the model, integral or not, from any
+        row multipliers ``row_dual`` (e.g. an interior-point LP solution's, not quite optimal or feasible): for
+        rows ``lo <= a x <= hi`` and columns ``l <= x <= u``, ``c x = (c - Aᵀy) x + yᵀ A x >=
+        Σ_j min((c - Aᵀy)_j l_j, (c - Aᵀy)_j u_j) + Σ_i min(y_i lo_i, y_i hi_i)``, valid for every ``y`` (a
+        multiplier whose side is infinite is taken as 0)."""
+        start, index, value = self.matrix
+        lower, upper = np.asarray(self.row_lower), np.asarray(self.row_upper)
+        best = -math.inf
+        for sign in (1.0, -1.0):  # whichever sign convention the solver uses
+            y = sign * np.asarray(row_dual, dtype=float)
+            y = np.where((y > 0) & ~np.isfinite(lower), 0.0, y)
+            y = np.where((y < 0) & ~np.isfinite(upper), 0.0, y)
+            rows = np.repeat(np.arange(len(lower)), np.diff(start))
+            reduced = np.asarray(self.col_cost, dtype=float) - np.bincount(
+                index, weights=value * y[rows], minlength=len(self.col_cost))
+            col_lower, col_upper = np.asarray(self.col_lower), np.asarray(self.col_upper)
+            with np.errstate(invalid="ignore"):
+                terms = np.minimum(reduced * col_lower, reduced * col_upper)
+            terms[reduced == 0.0] = 0.0
+            with np.errstate(invalid="ignore"):
+                row_terms = np.where(y > 0, y * lower, np.where(y < 0, y * upper, 0.0))
+            total = float(terms.sum() + row_terms.sum())
+            if math.isfinite(total):
+                best = max(best, total)
+        return best + self.objective_offset
+
+    def relaxation(self, time_limit=None):
+        """``(bound, values)``: the LP relaxation of this model by HiGHS's interior point method without crossover,
+        a lower bound on the objective (offset included) that holds whatever its accuracy
+        (:meth:`safe_bound`), and its column values; ``(None, None)`` when it is not solved in time."""
+        highspy = _highspy()
+        highs = self._highs_model(offset=True, integral=False)
+        highs.setOptionValue("solver", "ipm")
+        highs.setOptionValue("run_crossover", "off")
+        if time_limit is not None:
+            highs.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+        highs.run()
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None, None
+        solution = highs.getSolution()
+        return self.safe_bound(solution.row_dual), np.asarray(solution.col_value)
+
+    def _highs_model(self, offset: bool, integral: bool = True):
         highspy = _highspy()
         lp = highspy.HighsLp()
         lp.num_col_ = len(self.col_lower)
@@ -405,7 +487,7 @@ class CheckmateModel:
         lp.a_matrix_.start_ = start.astype(np.int32)
         lp.a_matrix_.index_ = index
         lp.a_matrix_.value_ = value
-        if not self.relaxed:
+        if integral and not self.relaxed:
             lp.integrality_ = [highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
                                for integer in self.col_integer]
         if offset:
@@ -426,6 +508,9 @@ class CheckmateModel:
         highs.setOptionValue("mip_abs_gap", 0.0)
         if time_limit is not None:
             highs.setOptionValue("time_limit", float(time_limit))
+        if self.relaxed:  # rounding needs values, not a vertex: the interior point method without crossover
+            highs.setOptionValue("solver", "ipm")
+            highs.setOptionValue("run_crossover", "off")
         if start is not None:
             solution = highspy.HighsSolution()
             solution.col_value = start.tolist()
@@ -441,6 +526,7 @@ class CheckmateModel:
         if not self.relaxed and math.isfinite(info.mip_dual_bound):
             bound = info.mip_dual_bound - self.objective_offset
         values = np.asarray(highs.getSolution().col_value) if found else None
+        self.row_dual = np.asarray(highs.getSolution().row_dual) if found and self.relaxed else None
         if values is not None and start is not None:
             # HiGHS 1.16 can report the optimum yet hand back the start's values (seen when presolve solves the
             # whole model): trust the values only when their objective is the one reported, else solve again
@@ -471,7 +557,8 @@ class CheckmateModel:
             if time_limit is not None:
                 args += ["-sec", str(time_limit)]
             args += ["-ratio", str(gap), "-allow", "0", "-threads", str(_THREADS)]
-            args += ["-solve" if not self.relaxed else "-initialSolve", "-printingOptions", "all", "-solution", solution]
+            args += ["-solve" if not self.relaxed else "-initialSolve", "-printingOptions", "all",
+                     "-solution", solution]
             run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, check=False)
             log = run.stdout
@@ -489,7 +576,8 @@ class CheckmateModel:
         infeasible = head.startswith("Infeasible") or "Result - Problem proven infeasible" in log
         found = not infeasible and (head.startswith("Optimal") or (
             head.startswith("Stopped") and "objective value" in head and "no integer" not in head))
-        finished = infeasible or "Result - Optimal solution found" in log or (self.relaxed and head.startswith("Optimal"))
+        finished = infeasible or "Result - Optimal solution found" in log or (
+            self.relaxed and head.startswith("Optimal"))
         objective = float(head.rsplit("objective value", 1)[1]) if found else math.nan
         bound = None
         for line in log.splitlines():
@@ -521,16 +609,42 @@ def checkmate(graph: Graph, budget: int, backend: str = "highs", time_limit=None
     from solvers.graph_heuristic import greedy_order
 
     started = time.perf_counter()
+
+    def remaining():
+        return None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - started))
+
     heuristic_limit = 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit))
     start_order = greedy_order(graph, budget, heuristic_limit)
     model = CheckmateModel(graph, budget)
-    remaining = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - started))
-    result = model.solve(backend, remaining, gap, start_order=start_order)
+    lower = None
+    if time_limit is not None and _LP_FIRST and backend == "highs":
+        # a time limit may stop the MILP before its root LP: first the LP by the interior point method, for a
+        # bound that holds whatever happens next, and its roundings, for a better start
+        lower, values = model.relaxation(_LP_SHARE * remaining())
+        if values is not None:
+            simulator = GraphSimulator(graph)
+            found = _best_rounding(graph, {key: values[col] for key, col in model.S.items()}, budget, 8,
+                                   np.random.default_rng(0), simulator)
+            if found is not None and (start_order is None or found[0] < simulator.run(
+                    schedule_with_frees(graph, start_order)).time):
+                start_order = found[1]
     params = {"backend": backend} if time_limit is None else {"backend": backend, "time_limit": time_limit}
     if gap:
         params["gap"] = gap
-    return GraphSolution(schedule_with_frees(graph, result.order), params=params, optimal=result.optimal,
-                         gap=result.gap)
+    if lower is not None and start_order is not None:
+        start = model.start_vector(start_order)
+        if start is not None:  # the start may already be within the gap asked for of the LP's bound
+            upper = float(np.dot(model.col_cost, start)) + model.objective_offset
+            if upper - lower <= max(gap, 1e-9) * upper:
+                return GraphSolution(schedule_with_frees(graph, start_order), params=params,
+                                     optimal=upper - lower <= 1e-9 * upper, gap=max(0.0, (upper - lower) / upper))
+    result = model.solve(backend, remaining(), gap, start_order=start_order)
+    optimal, gap_value = result.optimal, result.gap
+    if not optimal and lower is not None and result.objective:
+        gap_value = min(gap_value, max(0.0, (result.objective - lower) / result.objective))
+    return GraphSolution(schedule_with_frees(graph, result.order), params=params, optimal=optimal, gap=gap_value)
+
+
 def _rebuild(graph: Graph, checkpoints) -> tuple:
     """The compute order that makes the rounded checkpoint sets valid with the least recomputation.
 
@@ -557,13 +671,15 @@ def _rebuild(graph: Graph, checkpoints) -> tuple:
 def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int = 16, seed: int = 0,
                  time_limit=None):
     """Checkmate's LP relaxation with rounding: the fastest feasible schedule among the roundings tried (never
-    marked optimal). ``samples`` randomised roundings per LP; ``time_limit`` bounds the whole search (seconds)."""
+    marked optimal; its gap to the LP's safe bound at the true budget, when HiGHS solved it). ``samples``
+    randomised roundings per LP; ``time_limit`` bounds the whole search (seconds)."""
     from solvers.graph import GraphSolution
 
     rng = np.random.default_rng(seed)
     simulator = GraphSimulator(graph)
     started = time.perf_counter()
     best = None
+    bound = None  # a lower bound on the step time: from the LP at the true budget
     for fraction in (1.0, 0.9, 0.8, 0.65, 0.5):
         remaining = None if time_limit is None else time_limit - (time.perf_counter() - started)
         if remaining is not None and remaining <= 0:
@@ -574,20 +690,11 @@ def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int
             model.solve(backend, remaining)
         except NoSchedule:
             continue
-        values = model.values(model.S)
-        keys = list(values)
-        draws = [np.full(len(keys), 0.5)] + [rng.random(len(keys)) for _ in range(samples)]
-        for draw in draws:
-            checkpoints = [set() for _ in range(graph.size)]
-            for (t, i), u in zip(keys, draw):
-                if values[t, i] > u:
-                    checkpoints[t].add(i)
-            for t in range(graph.size):
-                checkpoints[t] |= {i for i in range(t) if graph.nodes[i].keep}
-            schedule = schedule_with_frees(graph, _rebuild(graph, checkpoints))
-            result = simulator.run(schedule)
-            if result.peak_bytes <= budget and (best is None or result.time < best[0]):
-                best = (result.time, schedule)
+        if fraction == 1.0 and model.row_dual is not None:
+            bound = model.safe_bound(model.row_dual) * model.unit_time
+        found = _best_rounding(graph, model.values(model.S), budget, samples, rng, simulator)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], schedule_with_frees(graph, found[1]))
         if best is not None:
             break
     if best is None:
@@ -596,7 +703,27 @@ def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int
     params = {"backend": backend, "samples": samples, "seed": seed}
     if time_limit is not None:
         params["time_limit"] = time_limit
-    return GraphSolution(best[1], params=params, optimal=False, gap=None)
+    gap = None if bound is None else max(0.0, (best[0] - bound) / best[0]) if best[0] > 0 else 0.0
+    return GraphSolution(best[1], params=params, optimal=False, gap=gap)
+
+
+def _best_rounding(graph: Graph, values: dict, budget: int, samples: int, rng, simulator=None):
+    """``(seconds, compute order)`` of the fastest rounding of the LP values ``S[t,i]`` (``values``) that fits the
+    budget (deterministic at 1/2, then ``samples`` randomised), or None."""
+    simulator = simulator or GraphSimulator(graph)
+    keys = list(values)
+    kept = [{i for i in range(t) if graph.nodes[i].keep} for t in range(graph.size)]
+    best = None
+    for draw in [np.full(len(keys), 0.5)] + [rng.random(len(keys)) for _ in range(samples)]:
+        checkpoints = [set(k) for k in kept]
+        for (t, i), u in zip(keys, draw):
+            if values[t, i] > u:
+                checkpoints[t].add(i)
+        order = _rebuild(graph, checkpoints)
+        result = simulator.run(schedule_with_frees(graph, order))
+        if result.peak_bytes <= budget and (best is None or result.time < best[0]):
+            best = (result.time, order)
+    return best
 
 
 def least_peak(graph: Graph, backend: str = "highs", time_limit=None):

@@ -3,7 +3,7 @@
 Each solver takes ``(graph, budget_bytes, **params)`` and returns a
 :class:`GraphSolution`; :func:`solve_graph` times it, replays its schedule in
 the graph simulator (whose figures, not the solver's, go into the plan) and
-refuses a schedule that does not fit. The solver modules (pulp, OR-Tools) are
+refuses a schedule that does not fit. The solver modules (highspy, pulp for CBC, OR-Tools) are
 imported when first used. Solvers never import torch.
 """
 

@@ -22,11 +22,20 @@ first computations of ``random`` nodes are in index order. The objective is the
 total compute time, with times as integers at the coarsest resolution ``10^-k``
 s (``k <= 12``) that represents every node's time exactly (``10^-12`` s otherwise).
 
+Implied constraints (true of every schedule, so they remove none): the first
+computation of ``v`` comes after the first computation of each dependency.
+CP-SAT is hinted with the schedule of :func:`solvers.graph_heuristic.greedy_order`
+when it finds one within the budget that computes no node more than allowed
+(slots, retention ends and dependency choices of its eager-free schedule); a
+hint only guides the search.
+
 The schedule is the active computations in slot order with every value freed
 eagerly (:func:`planner.graph.schedule_with_frees`), which holds no more than
 the retention intervals. CP-SAT runs with two workers; ``OPTIMAL`` is reported
 as optimal, ``FEASIBLE`` (a time limit) with the gap to CP-SAT's bound.
 """
+
+import time
 
 from ortools.sat.python import cp_model
 
@@ -46,12 +55,46 @@ def _time_units(times) -> int:
     return 10**12
 
 
-def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=None):
-    """The fastest schedule computing each node at most ``max_computations`` times within ``budget`` bytes."""
+def _add_hints(model, graph, order, counts, horizon, active, start, end, uses) -> bool:
+    """Hint CP-SAT with the schedule of the compute ``order`` (eager frees): its computations in slot order, each
+    value retained to its last read. Returns False (no hint) when the order computes a node more often than allowed."""
+    seen = [0] * graph.size
+    for v in order:
+        seen[v] += 1
+        if seen[v] > counts[v]:
+            return False
+    made_at, copy_of, last_read, reader = {}, [], list(range(len(order))), {}
+    seen = [0] * graph.size
+    for position, v in enumerate(order):
+        for u in graph.nodes[v].deps:
+            last_read[made_at[u]] = position
+            reader[position, u] = made_at[u]
+        made_at[v] = position
+        copy_of.append(seen[v])
+        seen[v] += 1
+    slot = {(v, copy_of[p]): p for p, v in enumerate(order)}
+    for (v, c), on in active.items():
+        p = slot.get((v, c))
+        model.AddHint(on, p is not None)
+        model.AddHint(start[v, c], p if p is not None else 0)
+        model.AddHint(end[v, c], (horizon if graph.nodes[v].keep else last_read[p] + 1) if p is not None else 1)
+    for (u, c2, v, c), use in uses.items():
+        p = slot.get((v, c))
+        model.AddHint(use, p is not None and slot.get((u, c2)) == reader[p, u])
+    return True
+
+
+def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=None, hint: bool = True):
+    """The fastest schedule computing each node at most ``max_computations`` times within ``budget`` bytes (CP-SAT
+    starts from the heuristic schedule of :mod:`solvers.graph_heuristic` when ``hint`` and one is found)."""
     from solvers.graph import GraphSolution
+    from solvers.graph_heuristic import greedy_order
 
     if isinstance(max_computations, bool) or not isinstance(max_computations, int) or max_computations < 1:
         raise MemschedError(f"moccasin: max_computations must be a whole number >= 1, got {max_computations!r}")
+    started = time.perf_counter()
+    if hint:
+        hint = greedy_order(graph, budget, 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit)))
     n = graph.size
     nodes = graph.nodes
     consumers = graph.consumers
@@ -60,7 +103,7 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
     scale = _time_units([node.time for node in nodes])
     cost = [round(node.time * scale) for node in nodes]
     model = cp_model.CpModel()
-    active, start, end, units, retained = {}, {}, {}, [], []
+    active, start, end, units, retained, uses = {}, {}, {}, [], [], {}
     for v in range(n):
         for c in range(counts[v]):
             on = model.NewBoolVar(f"a_{v}_{c}")
@@ -93,15 +136,21 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
                     model.Add(start[u, c2] < start[v, c]).OnlyEnforceIf(use)
                     model.Add(end[u, c2] > start[v, c]).OnlyEnforceIf(use)
                     choices.append(use)
+                    uses[u, c2, v, c] = use
                 model.AddBoolOr(choices).OnlyEnforceIf(active[v, c])
     random_nodes = [v for v, node in enumerate(nodes) if node.random]
     for u, v in zip(random_nodes, random_nodes[1:]):
         model.Add(start[u, 0] < start[v, 0])
+    for v, node in enumerate(nodes):  # implied: every computation of v follows the first computation of its deps
+        for u in node.deps:
+            model.Add(start[u, 0] < start[v, 0])
+    if hint:
+        _add_hints(model, graph, hint, counts, horizon, active, start, end, uses)
     model.Minimize(sum(cost[v] * active[v, c] for v in range(n) for c in range(1, counts[v])))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = _WORKERS
     if time_limit is not None:
-        solver.parameters.max_time_in_seconds = float(time_limit)
+        solver.parameters.max_time_in_seconds = max(0.001, float(time_limit) - (time.perf_counter() - started))
     status = solver.Solve(model)
     if status == cp_model.INFEASIBLE:
         raise NoSchedule(f"no schedule with at most {max_computations} computations per node fits the budget "
