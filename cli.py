@@ -151,7 +151,9 @@ def _profile(args) -> None:
 
     if args.throughput is not None and (not args.estimate or args.throughput <= 0):
         raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate, as a positive number")
-    model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate)
+    # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
+    # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
+    model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph)
     if args.graph:
         _profile_graph(args, model)
         return

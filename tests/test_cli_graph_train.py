@@ -59,3 +59,13 @@ def test_graph_and_chain_options_are_not_mixed(capsys, tmp_path):
     assert "--chain" in line
     line = one_error_line(*run(capsys, "train", TINY, "--budget", "50%", "--time-limit", "5"))
     assert "--time-limit" in line
+
+
+def test_profile_graph_estimate_allocates_no_activations_and_gives_the_measured_sizes(capsys, tmp_path):
+    estimated, measured = tmp_path / "e.json", tmp_path / "m.json"
+    assert run(capsys, "profile", TINY, "--graph", "--estimate", "--nodes", "30", "-o", str(estimated))[0] == 0
+    assert run(capsys, "profile", TINY, "--graph", "--nodes", "30", "--repeats", "1", "-o", str(measured))[0] == 0
+    a, b = load_graph(estimated), load_graph(measured)
+    assert a.source == "estimate" and b.source == "measured"
+    assert [(n.name, n.deps, n.out_bytes) for n in a.nodes] == [(n.name, n.deps, n.out_bytes) for n in b.nodes]
+    assert a.fixed_bytes == b.fixed_bytes
