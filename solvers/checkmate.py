@@ -102,7 +102,7 @@ _THREADS = 2
 _EXCLUSIVE = True  # R + S <= 1
 _USED = True  # R[t,i] <= S[t+1,i] + Σ R[t,c]
 _LP_FIRST = True  # with a time limit, solve the LP relaxation first (bound and roundings)
-_LP_SHARE = 0.5  # of the time left after the heuristic
+_LP_SHARE = 0.85  # of the time left after the heuristic (if the LP does not finish, neither would the MILP)
 _ONE = (-1, 1.0)  # a term: (column, constant); column -1 is the constant
 _ZERO = (-1, 0.0)
 
@@ -414,6 +414,9 @@ class CheckmateModel:
             found, proven, objective, bound, values = self._solve_highs(time_limit, gap, start)
         else:
             found, proven, objective, bound, values = self._solve_cbc(time_limit, gap, start)
+        if not found and start is not None and not proven:
+            # the solver stopped before it even took up the start (CBC on large models): the start is feasible
+            found, objective, bound, values = True, float(np.dot(self.col_cost, start)), None, start
         if not found and proven:
             raise NoSchedule("no schedule of this class fits the budget (proven infeasible)", proven=True)
         if not found:
@@ -457,20 +460,14 @@ class CheckmateModel:
         return best + self.objective_offset
 
     def relaxation(self, time_limit=None):
-        """``(bound, values)``: the LP relaxation of this model by HiGHS's interior point method without crossover,
-        a lower bound on the objective (offset included) that holds whatever its accuracy
-        (:meth:`safe_bound`), and its column values; ``(None, None)`` when it is not solved in time."""
-        highspy = _highspy()
-        highs = self._highs_model(offset=True, integral=False)
-        highs.setOptionValue("solver", "ipm")
-        highs.setOptionValue("run_crossover", "off")
-        if time_limit is not None:
-            highs.setOptionValue("time_limit", float(max(time_limit, 0.01)))
-        highs.run()
-        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        """``(bound, values)``: the LP relaxation of this model by CLP's dual simplex (the CBC binary bundled with
+        pulp: on these models many times faster than HiGHS's simplex or interior point method), a lower bound on
+        the objective (offset included) that holds whatever the solution's accuracy (:meth:`safe_bound` of its
+        row multipliers), and its column values; ``(None, None)`` when it is not solved in time."""
+        found, finished, _, _, values = self._solve_cbc(time_limit, 0.0, None, relax=True)
+        if not (found and finished) or self.row_dual is None:
             return None, None
-        solution = highs.getSolution()
-        return self.safe_bound(solution.row_dual), np.asarray(solution.col_value)
+        return self.safe_bound(self.row_dual), values
 
     def _highs_model(self, offset: bool, integral: bool = True):
         highspy = _highspy()
@@ -538,12 +535,15 @@ class CheckmateModel:
                 return self._solve_highs(time_limit, gap, None)
         return found, finished, objective, bound, values
 
-    def _solve_cbc(self, time_limit, gap, start):
-        """As :meth:`_solve_highs`, with the CBC binary bundled with pulp on an MPS file of the same matrix."""
+    def _solve_cbc(self, time_limit, gap, start, relax=False):
+        """As :meth:`_solve_highs`, with the CBC binary bundled with pulp on an MPS file of the same matrix (with
+        ``relax`` or a relaxed model: its LP relaxation by CLP's dual simplex, row multipliers in ``row_dual``)."""
         from pulp.apis import coin_api
 
+        relax = relax or self.relaxed
+        began = time.perf_counter()
         path = coin_api.PULP_CBC_CMD.pulp_cbc_path  # the CBC binary bundled with pulp
-        highs = self._highs_model(offset=False)
+        highs = self._highs_model(offset=False, integral=not relax)
         with tempfile.TemporaryDirectory(prefix="memsched-cbc-") as folder:
             mps, solution, mipstart = (os.path.join(folder, name) for name in ("model.mps", "model.sol", "start.mst"))
             sys.stdout.flush()
@@ -554,11 +554,11 @@ class CheckmateModel:
                     out.write("Stopped on time - objective value 0\n")
                     out.writelines(f"{col:>7} c{col} {value:>15} {0:>23}\n" for col, value in enumerate(start))
                 args += ["-mips", mipstart]
-            if time_limit is not None:
-                args += ["-sec", str(time_limit)]
+            if time_limit is not None:  # CBC's clock starts after it read the file: leave it time for that
+                writing = time.perf_counter() - began
+                args += ["-timeMode", "elapsed", "-sec", str(max(0.5, 0.9 * time_limit - 2.0 * writing))]
             args += ["-ratio", str(gap), "-allow", "0", "-threads", str(_THREADS)]
-            args += ["-solve" if not self.relaxed else "-initialSolve", "-printingOptions", "all",
-                     "-solution", solution]
+            args += ["-solve" if not relax else "-dualSimplex", "-printingOptions", "all", "-solution", solution]
             run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, check=False)
             log = run.stdout
@@ -568,16 +568,19 @@ class CheckmateModel:
                 lines = text.read().splitlines()
         head = lines[0] if lines else ""
         values = np.zeros(len(self.col_lower))
-        pattern = re.compile(r"^\**\s*(\d+)\s+c(\d+)\s+(\S+)")
+        duals = np.zeros(len(self.row_lower))
+        pattern = re.compile(r"^\**\s*(\d+)\s+([cr])(\d+)\s+(\S+)\s+(\S+)")
         for line in lines[1:]:
             match = pattern.match(line.strip())
-            if match:
-                values[int(match.group(2))] = float(match.group(3))
+            if match and match.group(2) == "c":
+                values[int(match.group(3))] = float(match.group(4))
+            elif match:
+                duals[int(match.group(3))] = float(match.group(5))
         infeasible = head.startswith("Infeasible") or "Result - Problem proven infeasible" in log
         found = not infeasible and (head.startswith("Optimal") or (
             head.startswith("Stopped") and "objective value" in head and "no integer" not in head))
-        finished = infeasible or "Result - Optimal solution found" in log or (
-            self.relaxed and head.startswith("Optimal"))
+        finished = infeasible or "Result - Optimal solution found" in log or (relax and head.startswith("Optimal"))
+        self.row_dual = duals if relax and found and finished else None
         objective = float(head.rsplit("objective value", 1)[1]) if found else math.nan
         bound = None
         for line in log.splitlines():
@@ -610,8 +613,8 @@ def checkmate(graph: Graph, budget: int, backend: str = "highs", time_limit=None
 
     started = time.perf_counter()
 
-    def remaining():
-        return None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - started))
+    def remaining():  # less a margin for reading the schedule and replaying it after the solver stops
+        return None if time_limit is None else max(0.01, 0.98 * time_limit - 0.3 - (time.perf_counter() - started))
 
     heuristic_limit = 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit))
     start_order = greedy_order(graph, budget, heuristic_limit)
