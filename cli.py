@@ -117,7 +117,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="graph solvers: stop the search after this long and keep the best schedule found")
     solve.add_argument("--max-computations", type=_at_least(1), metavar="N",
                        help="moccasin: computations allowed per node (default: 2)")
-    solve.add_argument("--backend", choices=("highs", "cbc"), help="checkmate, checkmate-lp: MILP solver (default: highs)")
+    solve.add_argument("--backend", choices=("highs", "cbc"),
+                       help="checkmate, checkmate-lp: MILP solver (default: highs; cbc solves checkmate-lp's LPs "
+                            "with CLP, far faster on large graphs)")
+    solve.add_argument("--gap", type=float, metavar="G",
+                       help="checkmate: stop once the schedule is within G (0.01 = 1%%) of the solver's bound "
+                            "(default 0: proven optimal)")
     solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
     solve.add_argument("--segments", type=_at_least(1), metavar="N", help="sqrt: number of segments")
     solve.add_argument("--snapshots", type=_at_least(1), metavar="N", help="revolve: snapshot slots")
@@ -330,8 +335,9 @@ def _solve(args) -> None:
     if _is_graph_file(args.chain):
         _solve_graph(args)
         return
-    if args.time_limit is not None or args.max_computations is not None or args.backend is not None:
-        raise MemschedError("--time-limit, --max-computations and --backend are for graph problems "
+    if args.time_limit is not None or args.max_computations is not None or args.backend is not None or \
+            args.gap is not None:
+        raise MemschedError("--time-limit, --max-computations, --backend and --gap are for graph problems "
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
     budget = parse_budget(args.budget, solvers.store_all_peak(chain))
@@ -346,13 +352,15 @@ def _solve(args) -> None:
 def _solve_graph(args) -> None:
     if args.slots is not None or args.segments is not None or args.snapshots is not None:
         raise MemschedError("--slots, --segments and --snapshots are for chain solvers; a graph takes "
-                            "--time-limit, --max-computations (moccasin) and --backend (checkmate)")
+                            "--time-limit, --max-computations (moccasin), --backend and --gap (checkmate)")
+    if args.gap is not None and not 0 <= args.gap < 1:
+        raise MemschedError(f"--gap must be a fraction between 0 and 1 (0.01 = 1%), got {args.gap}")
     if args.time_limit is not None and not args.time_limit > 0:
         raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     graph = Graph.from_dict(read_json(args.chain), where=args.chain)
     budget = parse_budget(args.budget, store_all_graph_peak(graph))
     plan = solve_graph(graph, budget, args.solver, time_limit=args.time_limit,
-                       max_computations=args.max_computations, backend=args.backend)
+                       max_computations=args.max_computations, backend=args.backend, gap=args.gap)
     lines = _graph_summary(plan, args.solver)
     if args.output:
         save_plan(plan, args.output)

@@ -73,7 +73,13 @@ def test_solve_options_reach_the_solvers(files, capsys):
     assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "checkmate", "--backend", "cbc",
                      "--time-limit", "20", "-o", str(out)]) == 0
     assert load_plan(out).params == {"backend": "cbc", "time_limit": 20.0}
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "checkmate", "--gap", "0.01",
+                     "--time-limit", "20", "-o", str(out)]) == 0
+    plan = load_plan(out)
+    assert plan.params["gap"] == 0.01 and (plan.optimal or plan.gap <= 0.01)
     capsys.readouterr()
+    assert cli.main(["solve", files["chain"], "--budget", "60%", "--gap", "0.01"]) == 2
+    one_line_error(capsys, "--gap", "graph problems")
 
 
 def test_cyclic_graph_file(files, capsys, tmp_path):
@@ -90,6 +96,7 @@ def test_cyclic_graph_file(files, capsys, tmp_path):
     (["--slots", "10"], ["--slots", "chain solvers"]),
     (["--solver", "checkmate", "--time-limit", "0"], ["--time-limit must be a positive"]),
     (["--solver", "moccasin", "--backend", "cbc"], ["solver 'moccasin' takes no parameter 'backend'"]),
+    (["--solver", "checkmate", "--gap", "1.5"], ["--gap must be a fraction between 0 and 1"]),
 ])
 def test_bad_graph_solve_options(files, capsys, argv, fragments):
     assert cli.main(["solve", files["graph"], "--budget", "90%"] + argv) == 2
