@@ -270,8 +270,8 @@ def _train_graph(args, model) -> None:
                            time_limit=args.time_limit)
         print("\n".join(_graph_summary(plan, args.solver)))
     executor = GraphExecutor(model, plan, graph)
-    stages = _named(model.stages)
-    _train_and_report(model, plan, lambda: executor.step(), stages, graph.fixed_bytes, args.steps, args.device, args.lr)
+    _train_and_report(model, plan, executor.step, _named(model.stages), model.example_inputs, graph.fixed_bytes,
+                      args.steps, args.device, args.lr)
 
 
 def _named(stages):
@@ -295,14 +295,13 @@ def _train_chain(model, plan, chain, steps, device, lr) -> None:
     stages = [(name, module.to(device)) for name, module in _named(model.stages)]
     inputs = _moved(model.example_inputs, device)
     planned = apply_plan(stages, plan, chain)
-    loss_fn = model.loss_fn or default_loss
-    model.example_inputs = inputs
-    _train_and_report(model, plan, autograd_step(planned, loss_fn, inputs), stages, input_bytes(inputs), steps, device,
-                      lr)
+    step = autograd_step(planned, model.loss_fn or default_loss, inputs)
+    _train_and_report(model, plan, step, stages, inputs, input_bytes(inputs), steps, device, lr)
 
 
-def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, device, lr) -> None:
-    """Train by ``planned_step`` and, for reference, the unmodified model; print measured against predicted.
+def _train_and_report(model, plan, planned_step, stages, inputs, resident_bytes, steps, device, lr) -> None:
+    """Train by ``planned_step`` and, for reference, the unmodified model on ``inputs``; print measured against
+    predicted.
 
     ``resident_bytes`` is what the plan's prediction counts as already allocated (the inputs for a chain,
     ``fixed_bytes`` for a graph): both runs' peaks are counted on that basis.
@@ -313,7 +312,6 @@ def _train_and_report(model, plan, planned_step, stages, resident_bytes, steps, 
     from profiles.chain_profiler import default_loss
 
     loss_fn = model.loss_fn or default_loss
-    inputs = model.example_inputs
     parameters = list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
                        for p in module.parameters() if p.requires_grad}.values())
     optimizer = torch.optim.Adam(parameters, lr=lr)

@@ -168,14 +168,27 @@ def _object(value, where: str) -> dict:
     return value
 
 
-def _schedule_from_list(raw, where: str) -> tuple:
+def _operations(raw, where: str, example: str):
+    """``(where[k], item)`` for each operation object of a schedule list; a non-list or non-object is refused."""
     if not isinstance(raw, list) or not raw:
         raise MemschedError(f"{where} must be a non-empty list of operations")
-    ops = []
     for index, item in enumerate(raw):
         here = f"{where}[{index}]"
         if not isinstance(item, dict):
-            raise MemschedError(f"{here} must be an object like {{\"op\": \"B\", \"stage\": 3}}")
+            raise MemschedError(f"{here} must be an object like {example}")
+        yield here, item
+
+
+def _index(item: dict, key: str, here: str) -> int:
+    value = validate.require(item, key, here)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MemschedError(f"{here}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _schedule_from_list(raw, where: str) -> tuple:
+    ops = []
+    for here, item in _operations(raw, where, '{"op": "B", "stage": 3}'):
         validate.reject_unknown(item, ("op", "stage"), here)
         kind = validate.require(item, "op", here)
         if kind not in OPS:
@@ -185,29 +198,18 @@ def _schedule_from_list(raw, where: str) -> tuple:
                 raise MemschedError(f"{here}: Loss takes no stage")
             ops.append(Op("Loss"))
             continue
-        stage = validate.require(item, "stage", here)
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-            raise MemschedError(f"{here}: stage must be a non-negative integer, got {stage!r}")
-        ops.append(Op(kind, stage))
+        ops.append(Op(kind, _index(item, "stage", here)))
     return tuple(ops)
 
 
 def _graph_schedule_from_list(raw, where: str) -> tuple:
-    if not isinstance(raw, list) or not raw:
-        raise MemschedError(f"{where} must be a non-empty list of operations")
     ops = []
-    for index, item in enumerate(raw):
-        here = f"{where}[{index}]"
-        if not isinstance(item, dict):
-            raise MemschedError(f"{here} must be an object like {{\"op\": \"compute\", \"node\": 3}}")
+    for here, item in _operations(raw, where, '{"op": "compute", "node": 3}'):
         kind = validate.require(item, "op", here)
         if kind not in GRAPH_OPS:
             raise MemschedError(f"{here}: unknown op {kind!r} in a plan of kind 'graph'; expected one of {', '.join(GRAPH_OPS)}")
         validate.reject_unknown(item, ("op", "node"), here)
-        node = validate.require(item, "node", here)
-        if isinstance(node, bool) or not isinstance(node, int) or node < 0:
-            raise MemschedError(f"{here}: node must be a non-negative integer, got {node!r}")
-        ops.append(GraphOp(kind, node))
+        ops.append(GraphOp(kind, _index(item, "node", here)))
     return tuple(ops)
 
 

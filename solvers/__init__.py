@@ -6,7 +6,6 @@ in the simulator (whose figures, not the solver's, go into the plan) and
 refuses a schedule that does not fit the budget. Solvers never import torch.
 """
 
-import inspect
 import time
 
 from planner.chain import Chain
@@ -16,6 +15,7 @@ from planner.simulator import ChainSimulator
 from planner.units import format_bytes
 from solvers.extremes import recompute_all, store_all, store_all_schedule
 from solvers.minimum import minimum_budget
+from solvers.result import solver_params
 from solvers.revolve import revolve
 from solvers.rotor import rotor
 from solvers.sqrt import sqrt
@@ -57,12 +57,7 @@ def solve(chain: Chain, budget: int, solver: str = "auto", **params) -> Plan:
         )
     name = choose_solver(chain, budget) if solver == "auto" else solver
     function = SOLVERS[name]
-    accepted = set(inspect.signature(function).parameters) - {"chain", "budget"}
-    given = {key: value for key, value in params.items() if value is not None}
-    unknown = sorted(set(given) - accepted)
-    if unknown:
-        options = ", ".join(sorted(accepted)) or "none"
-        raise MemschedError(f"solver {name!r} takes no parameter {unknown[0]!r} (its parameters: {options})")
+    given = solver_params(name, function, params, ("chain", "budget"))
     started = time.perf_counter()
     solution = function(chain, budget, **given)
     elapsed = time.perf_counter() - started

@@ -8,7 +8,6 @@ imported when first used. Solvers never import torch.
 """
 
 import importlib
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from planner.graph import Graph, store_all_graph_schedule
 from planner.graph_simulator import GraphSimulator
 from planner.plan import Plan, Predicted
 from planner.units import format_bytes
+from solvers.result import solver_params
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,7 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
         raise MemschedError(f"unknown graph solver {solver!r}; choose one of {', '.join(GRAPH_SOLVER_NAMES)}")
     name = choose_graph_solver(graph, budget) if solver == "auto" else solver
     function = _function(name)
-    accepted = set(inspect.signature(function).parameters) - {"graph", "budget"}
-    given = {key: value for key, value in params.items() if value is not None}
-    if time_limit is not None:
-        given["time_limit"] = time_limit
-    unknown = sorted(set(given) - accepted)
-    if unknown:
-        options = ", ".join(sorted(accepted)) or "none"
-        raise MemschedError(f"solver {name!r} takes no parameter {unknown[0]!r} (its parameters: {options})")
+    given = solver_params(name, function, dict(params, time_limit=time_limit), ("graph", "budget"))
     lower = graph_lower_bound(graph)
     if budget < lower:
         raise MemschedError(f"budget {format_bytes(budget)} ({budget} bytes) is below {format_bytes(lower)} "
