@@ -22,6 +22,7 @@ from planner.units import parse_budget
 from solvers.minimum import minimum_budget
 
 PARETO_SOLVERS = ("rotor", "sqrt", "store_all")
+OFFLOAD_CURVES = ("pofo", "offload_greedy")  # pofo's table alone (not re-timed) and the greedy on store-all: fast
 
 
 def main(argv=None) -> int:
@@ -51,6 +52,29 @@ def _at_least(minimum: int):
     return count
 
 
+def _add_channel_arguments(parser, purpose: str) -> None:
+    """``--bandwidth`` (both directions unless ``--h2d-bandwidth``) and ``--latency``: a copy channel."""
+    parser.add_argument("--bandwidth", metavar="RATE", help=f"{purpose}: device-to-host bandwidth, e.g. 16GB/s "
+                                                             "(and host-to-device, unless --h2d-bandwidth)")
+    parser.add_argument("--h2d-bandwidth", metavar="RATE", help="host-to-device bandwidth (default: --bandwidth)")
+    parser.add_argument("--latency", type=float, metavar="SECONDS", help="fixed seconds per transfer (default: 0)")
+
+
+def _channel(args, chain=None):
+    """The copy channel the arguments give, else ``chain``'s (None when neither has one)."""
+    from planner.transfer import Transfer, parse_bandwidth
+
+    if args.bandwidth is None:
+        if args.h2d_bandwidth is not None or args.latency is not None:
+            raise MemschedError("--h2d-bandwidth and --latency describe a channel: give its --bandwidth too")
+        return chain.transfer if chain is not None else None
+    if args.latency is not None and not 0 <= args.latency < float("inf"):
+        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
+    d2h = parse_bandwidth(args.bandwidth)
+    h2d = d2h if args.h2d_bandwidth is None else parse_bandwidth(args.h2d_bandwidth, "--h2d-bandwidth")
+    return Transfer(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=args.latency or 0.0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
@@ -71,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="profile the whole training step as a graph (memsched.graph/1) instead of a chain")
     profile.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
                          help="--graph: coarsen the captured step to at most N nodes (default: 200)")
+    _add_channel_arguments(profile, "record this copy channel in the chain (on CUDA it is measured unless given)")
     profile.add_argument("--warmup", type=_at_least(0), default=2, metavar="N", help="untimed runs per stage (default: 2)")
     profile.add_argument("--repeats", type=_at_least(1), default=5, metavar="N",
                          help="timed runs per stage, median kept (default: 5)")
@@ -90,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
                        help="--graph: coarsen the captured step to at most N nodes (default: 200)")
     train.add_argument("--time-limit", type=float, metavar="SECONDS", help="--graph: solver time limit")
+    _add_channel_arguments(train, "offload solvers (pofo, offload...): the copy channel (default: the chain's)")
     train.add_argument("--steps", type=_at_least(1), default=5, metavar="N", help="training steps (default: 5)")
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
@@ -114,16 +140,24 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"one of {', '.join(solvers.SOLVER_NAMES)} for a chain, "
                             f"{', '.join(GRAPH_SOLVER_NAMES)} for a graph (default: auto)")
     solve.add_argument("--time-limit", type=float, metavar="SECONDS",
-                       help="graph solvers: stop the search after this long and keep the best schedule found")
+                       help="graph solvers and offload: stop the search after this long and keep the best schedule "
+                            "found")
     solve.add_argument("--max-computations", type=_at_least(1), metavar="N",
                        help="moccasin: computations allowed per node (default: 2)")
+    solve.add_argument("--first-order", metavar="free|index",
+                       help="moccasin: first computations in any order (free, default) or in index order "
+                            "(index: Checkmate's order, much faster to prove)")
     solve.add_argument("--backend", choices=("highs", "cbc"),
                        help="checkmate, checkmate-lp: MILP solver (default: highs; cbc solves checkmate-lp's LPs "
                             "with CLP, far faster on large graphs)")
     solve.add_argument("--gap", type=float, metavar="G",
                        help="checkmate: stop once the schedule is within G (0.01 = 1%%) of the solver's bound "
                             "(default 0: proven optimal)")
-    solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
+    _add_channel_arguments(solve, "pofo and the offload solvers: the copy channel (default: the chain's)")
+    solve.add_argument("--schedule", choices=("store_all", "rotor"),
+                       help="offload, offload_greedy, offload_all: the compute schedule whose activations are "
+                            "offloaded (default: store_all)")
+    solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor, pofo: memory discretisation slots")
     solve.add_argument("--segments", type=_at_least(1), metavar="N", help="sqrt: number of segments")
     solve.add_argument("--snapshots", type=_at_least(1), metavar="N", help="revolve: snapshot slots")
     solve.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (memsched.plan/1)")
@@ -145,6 +179,8 @@ def _parser() -> argparse.ArgumentParser:
     pareto.add_argument("--points", type=_at_least(2), default=12, metavar="N",
                         help="number of evenly spaced budgets (default: 12)")
     pareto.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
+    _add_channel_arguments(pareto, "add pofo's and offload_greedy's curves over this copy channel (default: the "
+                                   "chain's, if it has one)")
     pareto.add_argument("--plot", metavar="pareto.png", help="save overhead against budget as a PNG")
     pareto.set_defaults(command=_pareto)
     return parser
@@ -158,6 +194,9 @@ def _profile(args) -> None:
         raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate, as a positive number")
     # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
     # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
+    channel = _channel(args)
+    if args.graph and channel is not None:
+        raise MemschedError("--bandwidth is for chain profiles (offload plans); a graph profile has no copy channel")
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph)
     if args.graph:
         _profile_graph(args, model)
@@ -171,7 +210,7 @@ def _profile(args) -> None:
 
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
                           warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
-                          throughput=args.throughput, progress=progress)
+                          throughput=args.throughput, progress=progress, transfer=channel)
     save_chain(chain, args.output)
     print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
 
@@ -209,8 +248,8 @@ def _train(args) -> None:
             raise MemschedError("train needs --budget (or a ready --plan)")
         chain = load_chain(args.chain) if args.chain else _profile_quietly(model, args.device)
         budget = parse_budget(args.budget, solvers.store_all_peak(chain))
-        plan = solvers.solve(chain, budget, args.solver)
-        print("\n".join(render.solve_summary(plan, args.solver)))
+        plan = solvers.solve(chain, budget, args.solver, **_offload_params(args, chain, args.solver))
+        print("\n".join(render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)))
     _train_chain(model, plan, chain, args.steps, args.device, args.lr)
 
 
@@ -289,7 +328,7 @@ def _moved(inputs, device):
 def _train_chain(model, plan, chain, steps, device, lr) -> None:
     """Train by a chain ``plan`` with :func:`planner.executor.apply_plan`."""
     from planner.executor import apply_plan
-    from planner.training import autograd_step, input_bytes
+    from profiles.training import autograd_step, input_bytes
     from profiles.chain_profiler import default_loss
 
     stages = [(name, module.to(device)) for name, module in _named(model.stages)]
@@ -308,7 +347,7 @@ def _train_and_report(model, plan, planned_step, stages, inputs, resident_bytes,
     """
     import torch
 
-    from planner.training import autograd_step, measure_steps, plain_forward
+    from profiles.training import autograd_step, measure_steps, plain_forward
     from profiles.chain_profiler import default_loss
 
     loss_fn = model.loss_fn or default_loss
@@ -333,24 +372,45 @@ def _solve(args) -> None:
     if _is_graph_file(args.chain):
         _solve_graph(args)
         return
-    if args.time_limit is not None or args.max_computations is not None or args.backend is not None or \
-            args.gap is not None:
-        raise MemschedError("--time-limit, --max-computations, --backend and --gap are for graph problems "
+    if args.max_computations is not None or args.backend is not None or args.gap is not None or \
+            args.first_order is not None:
+        raise MemschedError("--max-computations, --first-order, --backend and --gap are for graph problems "
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
     budget = parse_budget(args.budget, solvers.store_all_peak(chain))
-    plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments, snapshots=args.snapshots)
-    lines = render.solve_summary(plan, args.solver)
+    plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments, snapshots=args.snapshots,
+                         **_offload_params(args, chain, args.solver))
+    lines = render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)
     if args.output:
         save_plan(plan, args.output)
         lines.append(f"plan written to {args.output}")
     print("\n".join(lines))
 
 
+def _offload_params(args, chain, solver: str) -> dict:
+    """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers; refused for the others."""
+    if solver not in solvers.OFFLOAD_SOLVERS:
+        given = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--h2d-bandwidth", args.h2d_bandwidth),
+                                          ("--latency", args.latency), ("--schedule", getattr(args, "schedule", None)),
+                                          ("--time-limit", args.time_limit)) if value is not None]
+        if given:
+            raise MemschedError(f"{given[0]} is for pofo and the offload solvers ({', '.join(solvers.OFFLOAD_SOLVERS)}), "
+                                f"not for {solver}")
+        return {}
+    channel = _channel(args, chain)
+    if channel is None:
+        raise MemschedError(f"{solver} moves activations to host memory and needs the copy channel: give --bandwidth "
+                            "(e.g. 16GB/s), or profile the chain on CUDA, which measures it")
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    return {"transfer": channel, "schedule": getattr(args, "schedule", None), "time_limit": args.time_limit}
+
+
 def _solve_graph(args) -> None:
     if args.slots is not None or args.segments is not None or args.snapshots is not None:
         raise MemschedError("--slots, --segments and --snapshots are for chain solvers; a graph takes "
-                            "--time-limit, --max-computations (moccasin), --backend and --gap (checkmate)")
+                            "--time-limit, --max-computations and --first-order (moccasin), --backend and --gap "
+                            "(checkmate)")
     if args.gap is not None and not 0 <= args.gap < 1:
         raise MemschedError(f"--gap must be a fraction between 0 and 1 (0.01 = 1%), got {args.gap}")
     if args.time_limit is not None and not args.time_limit > 0:
@@ -358,7 +418,8 @@ def _solve_graph(args) -> None:
     graph = Graph.from_dict(read_json(args.chain), where=args.chain)
     budget = parse_budget(args.budget, store_all_graph_peak(graph))
     plan = solve_graph(graph, budget, args.solver, time_limit=args.time_limit,
-                       max_computations=args.max_computations, backend=args.backend, gap=args.gap)
+                       max_computations=args.max_computations, first_order=args.first_order, backend=args.backend,
+                       gap=args.gap)
     lines = _graph_summary(plan, args.solver)
     if args.output:
         save_plan(plan, args.output)
@@ -413,7 +474,8 @@ def _show(args) -> None:
         chain = load_chain(args.chain)
         check_plan_matches(plan, chain, plan_where=args.plan)
         result = simulate(chain, plan)
-        lines += [""] + render.simulation_lines(plan, result) + [""] + render.ascii_timeline(result, plan.budget_bytes)
+        lines += [""] + render.simulation_lines(plan, result) + render.transfer_lines(plan, result)[1:]
+        lines += [""] + render.ascii_timeline(result, plan.budget_bytes)
         if args.plot:
             plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
             lines.append(f"timeline plot written to {args.plot}")
@@ -445,29 +507,37 @@ def _show_graph(args, plan) -> None:
 
 def _pareto(args) -> None:
     chain = load_chain(args.chain)
+    channel = _channel(args, chain)
+    names = PARETO_SOLVERS + (OFFLOAD_CURVES if channel is not None and channel.usable else ())
     low, high = minimum_budget(chain), solvers.store_all_peak(chain)
     rows = []
     for k in range(args.points):
         budget = low + (high - low) * k // (args.points - 1)
-        rows.append((budget, {name: _overhead(chain, budget, name, args.slots) for name in PARETO_SOLVERS}))
+        rows.append((budget, {name: _overhead(chain, budget, name, args.slots, channel) for name in names}))
     lines = [
         f"chain {chain.name}: step-time overhead over no recomputation ({render.format_seconds(chain.compute_time)})",
         f"budgets from the minimum feasible {render.describe_bytes(low)} to the store-all peak {render.describe_bytes(high)}",
+        *render.transfer_lines_for_channel(channel, "pofo: its table, not re-timed; offload_greedy: on store-all"),
         "",
-        *render.pareto_table(rows, PARETO_SOLVERS, high),
+        *render.pareto_table(rows, names, high),
         "",
         "— : that solver has no schedule within the budget",
     ]
     if args.plot:
-        plot_pareto(rows, PARETO_SOLVERS, args.plot, f"{chain.name}: overhead against budget")
+        plot_pareto(rows, names, args.plot, f"{chain.name}: overhead against budget")
         lines.append(f"pareto plot written to {args.plot}")
     print("\n".join(lines))
 
 
-def _overhead(chain, budget: int, solver: str, slots):
+def _overhead(chain, budget: int, solver: str, slots, channel=None):
     """The overhead fraction of ``solver``'s plan within ``budget`` bytes, or None when it has none."""
+    params = {"slots": slots} if solver in ("rotor", "pofo") else {}
+    if solver in OFFLOAD_CURVES:
+        params["transfer"] = channel
+    if solver == "pofo":
+        params["time_limit"] = 0
     try:
-        plan = solvers.solve(chain, budget, solver, slots=slots if solver == "rotor" else None)
+        plan = solvers.solve(chain, budget, solver, **params)
     except MemschedError:
         return None
     return plan.predicted.overhead

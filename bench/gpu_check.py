@@ -1,6 +1,6 @@
 """GPU check: memsched's executor on CUDA, in one short run (written to be run once on a borrowed GPU).
 
-    python bench/gpu_check.py [SPEC] [--steps N] [--warmup N] [--budgets 25,50,75]
+    python bench/gpu_check.py [SPEC] [--steps N] [--warmup N] [--budgets 25,50,75] [--skip-offload]
 
 On ``cuda``, for one model (default: a gpt-tiny whose store-all peak is about 1 GiB, dropout on), after
 profiling it there:
@@ -12,18 +12,32 @@ profiling it there:
    from the plain step (same seed, so dropout draws the same masks);
 4. (b), (c) as bench/executor.py: checkpoint_sequential for every segment count, and rotor at the measured
    peak of the fastest one within 2-3 budgets.
+5. offload (skipped with ``--skip-offload``): the copy channel, as profile_chain measured it (``chain.transfer``)
+   against one 256 MiB copy each way to / from pinned memory timed here with CUDA events (alone, and both
+   directions at once, which the model assumes run at full speed each); then the ``offload`` solver (exact,
+   CP-SAT for at most 10 s, on the store-all compute schedule) at 50% and 75% of the store-all peak, and
+   ``pofo`` at 30% of the way from the least feasible budget to the store-all peak, all over the profiled
+   channel. Each plan runs through ``apply_plan`` with the same plan stripped of its Offload / Release /
+   Prefetch (its compute schedule alone, a plain chain plan whose peak is higher), interleaved: measured
+   against predicted peak and step time, the stall (measured: offload step minus compute-only step, so the
+   executor's cost of the transfers counts as stall; predicted: the offload simulator's ``stall_time``), the
+   bytes moved, and the largest gradient difference from the plain step. A plan that fails prints its
+   traceback and the others still run; an infeasible budget is reported, not failed.
 
 Times are CUDA events around each step (median of ``--steps`` after ``--warmup``); peaks are
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before the
 step, plus the inputs' bytes (as on CPU). Gradients are set to None and the seed reset before each step.
 Without CUDA it prints one line and exits with status 2; a check that fails prints its traceback, the
-others still run, and the exit status is 1. Expected to take about a minute on an H200 (most of it loading
-torch, initialising CUDA and compiling the Rotor kernel with numba).
+others still run, and the exit status is 1. Expected to take about a minute on an H200 without the offload
+section (most of it loading torch, initialising CUDA and compiling the Rotor kernel with numba); the offload
+section adds about 30 s, most of it CP-SAT (up to 10 s per offload plan) and compiling POFO's kernel.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -38,6 +52,8 @@ import torch  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
 from planner.executor import apply_plan  # noqa: E402
+from planner.plan import TRANSFER_OPS, Predicted  # noqa: E402
+from planner.simulator import ChainSimulator, simulate  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -91,6 +107,72 @@ class CudaEvents:
         return torch.cuda.max_memory_allocated(self.device) - before
 
 
+# The offload section: the exact offload solver on the store-all compute schedule at these fractions of the
+# store-all peak (CP-SAT for at most OFFLOAD_TIME_LIMIT seconds each), and POFO at POFO_POSITION of the way from
+# the least feasible budget to the store-all peak; the channel timed with one CHANNEL_BYTES copy each way.
+OFFLOAD_FRACTIONS = (0.50, 0.75)
+OFFLOAD_TIME_LIMIT = 10.0
+POFO_POSITION = 0.30
+CHANNEL_BYTES = 256 * MIB
+CHANNEL_REPEATS = 5
+
+
+def compute_only_plan(chain, plan):
+    """``plan`` without its Offload / Release / Prefetch: the same compute schedule, everything kept on the device.
+
+    Its predicted figures are the chain simulator's for that schedule (its peak is higher than the offload
+    plan's: nothing is released); ``transfer`` is None, so ``apply_plan`` runs it as a plain chain plan."""
+    schedule = tuple(op for op in plan.schedule if op.kind not in TRANSFER_OPS)
+    result = ChainSimulator(chain).run(schedule)
+    return dataclasses.replace(plan, schedule=schedule, transfer=None,
+                               predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time,
+                                                   baseline_time=chain.compute_time))
+
+
+def time_pinned_copies(device, nbytes, repeats) -> dict:
+    """Seconds (median of ``repeats``, CUDA events) of one ``nbytes`` copy between the device and pinned host
+    memory: ``"d2h"`` and ``"h2d"`` alone, each on its own side stream, and ``"both d2h"`` / ``"both h2d"`` with
+    the two issued at once (each measured from a common start, so an engine that waits for the other shows)."""
+    device = torch.device(device)
+    compute = torch.cuda.current_stream(device)
+    streams = {"d2h": torch.cuda.Stream(device), "h2d": torch.cuda.Stream(device)}
+    buffers = {"d2h": (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                       torch.ones(nbytes, dtype=torch.uint8, device=device)),
+               "h2d": (torch.empty(nbytes, dtype=torch.uint8, device=device),
+                       torch.ones(nbytes, dtype=torch.uint8).pin_memory())}
+
+    def once(directions) -> dict:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        ends = {}
+        for direction in directions:
+            stream = streams[direction]
+            stream.wait_event(start)
+            destination, source = buffers[direction]
+            with torch.cuda.stream(stream):
+                destination.copy_(source, non_blocking=True)
+            ends[direction] = torch.cuda.Event(enable_timing=True)
+            ends[direction].record(stream)
+        torch.cuda.synchronize(device)
+        return {direction: start.elapsed_time(end) / 1000.0 for direction, end in ends.items()}
+
+    samples = {"d2h": [], "h2d": [], "both d2h": [], "both h2d": []}
+    for run in range(repeats + 1):  # the first of each is a warm-up
+        alone = {**once(["d2h"]), **once(["h2d"])}
+        both = once(["d2h", "h2d"])
+        if run:
+            for direction in ("d2h", "h2d"):
+                samples[direction].append(alone[direction])
+                samples[f"both {direction}"].append(both[direction])
+    del buffers
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def gbps(rate) -> str:
+    return f"{rate / 1e9:.2f} GB/s"
+
+
 def mib(count) -> str:
     return f"{count / MIB:.1f}"
 
@@ -102,8 +184,9 @@ def ms(seconds) -> str:
 class Checks:
     """The checks on one model; each records its verdict lines, a failing one its traceback."""
 
-    def __init__(self, spec, device, measure, steps, warmup, fractions):
-        self.spec, self.device, self.fractions = spec, device, fractions
+    def __init__(self, spec, device, measure, steps, warmup, fractions, offload=True):
+        self.spec, self.device, self.fractions, self.offload = spec, device, fractions, offload
+        self.measure = measure
         self.model = bench_executor.load(spec, device)
         self.bench = bench_executor.Bench(self.model, measure, steps, warmup)
         self.chain = None
@@ -212,6 +295,114 @@ class Checks:
                 f"(c) rotor measured / predicted: time {bench_executor.span([r['rotor_s'] / r['predicted_s'] for r in done])}"
                 f", peak {bench_executor.span([r['rotor_peak'] / r['predicted_peak'] for r in done], 4)}")
 
+    def channel(self):
+        transfer = self.chain.transfer
+        if transfer is None:
+            raise MemschedError("the profile has no copy channel (profile_chain measures one on CUDA)")
+        print(f"profiled channel (profile_chain, 1 and 64 MiB copies, line fit): d2h {gbps(transfer.d2h_bandwidth)}, "
+              f"h2d {gbps(transfer.h2d_bandwidth)}, latency {transfer.latency * 1e6:.1f} us")
+        seconds = time_pinned_copies(self.device, CHANNEL_BYTES, CHANNEL_REPEATS)
+        print(f"one {mib(CHANNEL_BYTES)} MiB copy to / from pinned memory, own stream, CUDA events, median of "
+              f"{CHANNEL_REPEATS}:")
+        print(f"{'':>18} {'meas ms':>8} {'pred ms':>8} {'achieved':>12} {'profile':>12} {'ach/prof':>8}")
+        ratios = {}
+        for key in ("d2h", "h2d", "both d2h", "both h2d"):
+            direction = key.split()[-1]
+            bandwidth = transfer.d2h_bandwidth if direction == "d2h" else transfer.h2d_bandwidth
+            achieved = CHANNEL_BYTES / seconds[key]
+            ratios[key] = achieved / bandwidth if bandwidth > 0 else float("nan")
+            label = f"{direction} alone" if key == direction else f"{direction}, both at once"
+            print(f"{label:>18} {ms(seconds[key]):>8} {ms(transfer.seconds(CHANNEL_BYTES, direction)):>8} "
+                  f"{gbps(achieved):>12} {gbps(bandwidth):>12} {ratios[key]:8.3f}")
+        self.summary.append(
+            f"offload channel: one {mib(CHANNEL_BYTES)} MiB pinned copy, achieved / profiled bandwidth d2h "
+            f"{ratios['d2h']:.3f}, h2d {ratios['h2d']:.3f}; both directions at once (the model assumes full speed "
+            f"each): d2h {ratios['both d2h']:.3f}, h2d {ratios['both h2d']:.3f}")
+
+    def offload_plans(self):
+        transfer = self.chain.transfer
+        if transfer is None:
+            raise MemschedError("the profile has no copy channel (profile_chain measures one on CUDA)")
+        peak, least = store_all_peak(self.chain), minimum_budget(self.chain)
+        cases = [(f"offload {fraction:.0%}", int(peak * fraction), "offload",
+                  dict(schedule="store_all", method="exact", time_limit=OFFLOAD_TIME_LIMIT))
+                 for fraction in OFFLOAD_FRACTIONS]
+        pofo_budget = int(least + POFO_POSITION * (peak - least))
+        cases.append((f"pofo {pofo_budget / peak:.0%}", pofo_budget, "pofo", {}))
+        print("offload plans over the profiled channel; 'compute' is the same plan with its transfers stripped "
+              "(same compute schedule, nothing moved, nothing released: its peak is higher); measured stall = "
+              "offload step - compute step (executor cost of the transfers included); budgets in % of the "
+              "store-all peak")
+        print(f"{'plan':>12} {'budget':>7} {'pred MiB':>9} {'meas MiB':>9} {'peak m/p':>8} {'in bdgt':>7} "
+              f"{'pred ms':>8} {'meas ms':>8} {'time m/p':>8} {'cmp pred':>8} {'cmp meas':>8} {'stall p':>8} "
+              f"{'stall m':>8} {'moved MiB':>9} {'max|dgrad|':>10} {'rel':>8}")
+        rows = []
+        for label, budget, solver, params in cases:
+            try:
+                row = self._offload_case(label, budget, solver, params, transfer)
+            except Exception:  # one plan failing must not stop the others
+                self.failures += 1
+                traceback.print_exc(file=sys.stdout)
+                self.summary.append(f"{label}: FAILED (traceback above)")
+                continue
+            if row is not None:
+                rows.append(row)
+        if rows:
+            self.summary.append(
+                "offload plans " + ", ".join(row["label"] for row in rows) + ": measured / predicted peak "
+                + bench_executor.span([row["peak"] / row["pred_peak"] for row in rows], 4)
+                + ", time " + bench_executor.span([row["time"] / row["pred_time"] for row in rows])
+                + f"; measured peak above the budget in {sum(row['peak'] > row['budget'] for row in rows)}/{len(rows)}"
+                + "; stall measured / predicted ms: "
+                + ", ".join(f"{ms(row['stall'])} / {ms(row['pred_stall'])}" for row in rows)
+                + f"; largest gradient relative difference {max(row['rel'] for row in rows):.1e}")
+
+    def _offload_case(self, label, budget, solver, params, transfer):
+        """One offload plan solved, run and measured (see :meth:`offload_plans`); None when infeasible."""
+        from planner.offload_executor import live_copies
+
+        peak = store_all_peak(self.chain)
+        started = time.perf_counter()
+        try:
+            plan = solve(self.chain, budget, solver, transfer=transfer, **params)
+        except MemschedError as exc:
+            print(f"{label:>12} {budget / peak:>7.0%}  infeasible: {exc}")
+            self.summary.append(f"{label}: infeasible ({exc})")
+            return None
+        solve_s = time.perf_counter() - started
+        predicted = simulate(self.chain, plan)  # an OffloadResult when the plan moves data
+        copies = getattr(predicted, "copies", ())
+        pred_stall = getattr(predicted, "stall_time", 0.0)
+        compute = compute_only_plan(self.chain, plan)
+        offload_step = self.bench.planned(apply_plan(self.model.stages, plan, self.chain))
+        compute_step = self.bench.planned(apply_plan(self.model.stages, compute, self.chain))
+        times = self.bench.times({"offload": offload_step, "compute": compute_step})
+        measured_peak = self.bench.peak(offload_step)  # after the timed steps: pinned buffers and streams warm
+        compute_peak = self.bench.peak(compute_step)
+        worst, relative = bench_executor.grad_difference(self.reference, self.bench.grads(offload_step))
+        self.measure.synchronize()
+        left = live_copies()
+        moved = {direction: sum(c.nbytes for c in copies if c.direction == direction) for direction in ("d2h", "h2d")}
+        row = dict(label=label, budget=budget, peak=measured_peak, pred_peak=plan.predicted.peak_bytes,
+                   time=times["offload"], pred_time=plan.predicted.time, stall=times["offload"] - times["compute"],
+                   pred_stall=pred_stall, rel=relative)
+        print(f"{label:>12} {budget / peak:>7.0%} {mib(plan.predicted.peak_bytes):>9} {mib(measured_peak):>9} "
+              f"{measured_peak / plan.predicted.peak_bytes:8.4f} {'yes' if measured_peak <= budget else 'NO':>7} "
+              f"{ms(plan.predicted.time):>8} {ms(times['offload']):>8} {times['offload'] / plan.predicted.time:8.3f} "
+              f"{ms(compute.predicted.time):>8} {ms(times['compute']):>8} {ms(pred_stall):>8} {ms(row['stall']):>8} "
+              f"{mib(moved['d2h']):>9} {worst:10.2e} {relative:8.1e}")
+        status = "optimal" if plan.optimal else ("gap " + (f"{plan.gap:.1%}" if plan.gap is not None else "unknown"))
+        print(f"{'':>12} solved in {solve_s:.1f} s ({plan.solver} {plan.params}, {status}); "
+              f"{sum(op.kind == 'Offload' for op in plan.schedule)} offloads, {len(copies)} copies "
+              f"(d2h {mib(moved['d2h'])} MiB, h2d {mib(moved['h2d'])} MiB), {plan.recomputed_forwards} recomputed "
+              f"forwards; compute schedule alone: peak {mib(compute_peak)} MiB measured, "
+              f"{mib(compute.predicted.peak_bytes)} predicted"
+              + ("" if plan.moves_data else "; the plan moves nothing (compute and offload steps are the same plan)")
+              + ("" if left == (0, 0) else f"; LEFT after the steps: {left[0]} boxed storages, {mib(left[1])} MiB "
+                                            "of host copies"))
+        del offload_step, compute_step
+        return row
+
     def run(self):
         self.section("profile on the device", self.profile)
         if self.chain is None:
@@ -220,6 +411,9 @@ class Checks:
         self.section("(a) executor overhead: store_all plan vs plain step", self.overhead)
         self.section(f"rotor at {', '.join(f'{f:.0%}' for f in self.fractions)} of the store-all peak", self.budgets)
         self.section("(b), (c) rotor vs checkpoint_sequential at equal measured peak", self.segments)
+        if self.offload:
+            self.section("offload: the copy channel, profiled and measured", self.channel)
+            self.section("offload plans: measured against predicted peak, step time and stall", self.offload_plans)
 
 
 def main():
@@ -228,6 +422,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement, median kept (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--budgets", default="25,50,75", help="rotor budgets, percent of the store-all peak")
+    parser.add_argument("--skip-offload", action="store_true",
+                        help="skip the offload section (the copy channel and the offload / POFO plans)")
     args = parser.parse_args()
     try:
         fractions = [float(text) / 100 for text in args.budgets.split(",")]
@@ -245,7 +441,8 @@ def main():
     print(f"gpu check on {torch.cuda.get_device_name(device)} ({properties.total_memory / GIB:.0f} GiB), "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; median of {args.steps} steps after {args.warmup}, "
           f"CUDA events; peaks from max_memory_allocated")
-    checks = Checks(args.spec, device, CudaEvents(device), args.steps, args.warmup, fractions)
+    checks = Checks(args.spec, device, CudaEvents(device), args.steps, args.warmup, fractions,
+                    offload=not args.skip_offload)
     checks.run()
     print("\nsummary")
     for line in checks.summary:

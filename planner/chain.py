@@ -25,6 +25,10 @@ input. Per stage, in seconds and bytes:
 The loss closes the chain: it reads ``a_L`` and produces ``δ_L`` in
 ``loss.bwd_time`` seconds with ``loss.tmp_bytes`` transient bytes.
 
+An optional ``transfer`` gives the device-host copy channel
+(:class:`planner.transfer.Transfer`) that offload plans use. It describes the
+machine, not the model, so it is left out of the fingerprint.
+
 The file format is ``memsched.chain/1`` (docs/formats.md).
 """
 
@@ -37,11 +41,12 @@ from pathlib import Path
 from planner import validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
+from planner.transfer import Transfer
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
                  "bwd_tmp_bytes", "param_bytes", "own_saved_bytes")
-_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss")
+_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes")
 
 
@@ -90,6 +95,7 @@ class Chain:
     input_bytes: int
     stages: tuple
     loss: Loss
+    transfer: Transfer = None  # the copy channel, when measured or given
 
     @property
     def length(self) -> int:
@@ -129,11 +135,14 @@ class Chain:
             "input_bytes": self.input_bytes,
             "stages": [s.to_dict() for s in self.stages],
             "loss": {"bwd_time": self.loss.bwd_time, "tmp_bytes": self.loss.tmp_bytes},
+            **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
         }
 
     def fingerprint(self) -> str:
-        """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces): ties plans to this exact problem."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces) without the copy channel: ties plans to
+        this exact problem."""
+        problem = {key: value for key, value in self.to_dict().items() if key != "transfer"}
+        canonical = json.dumps(problem, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
@@ -148,7 +157,8 @@ class Chain:
             raise MemschedError(f"{where}: stages must be a non-empty list of stage objects")
         stages = tuple(_stage_from_dict(raw, f"{where}: stages[{i}]", i) for i, raw in enumerate(raw_stages))
         loss = _loss_from_dict(data.get("loss", {}), f"{where}: loss")
-        return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss)
+        transfer = None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer")
+        return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss, transfer=transfer)
 
 
 def _stage_from_dict(raw, where: str, index: int) -> Stage:

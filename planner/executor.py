@@ -27,6 +27,20 @@ backwards at ``B i``. Memory is the same (autograd frees each saved tensor and
 gradient as a plain backward does); the per-stage bookkeeping is saved, so the
 store-all plan runs as the plain step does.
 
+Plans with transfers (offload plans: ``Offload`` / ``Release`` / ``Prefetch``
+of ``saved i`` and ``input i``) run through planner/offload_executor.py, whose
+docstring gives the semantics: every tensor ``F_all`` saves and every
+activation the executor holds lives in the box of its item (saved-tensor
+hooks; parameters, buffers and the caller's inputs excepted), ``Release``
+frees the device copy, ``Prefetch`` allocates it and copies back at the
+operation the plan names (on CUDA on a copy stream per direction, ordered by
+events, from pinned host memory; on CPU synchronously, the host copy a NumPy
+array outside the device accounting), and reading an item left on the host
+fails with a one-line error. A transfer breaks fusion where the fused graph
+would otherwise read an item or change memory at another time than the plan
+says. ``apply_plan`` refuses a plan with transfers that records no copy
+channel. A plan without transfers installs no hook and runs exactly as before.
+
 Recomputed forwards replay the random numbers of the stage's first forward
 (CPU and CUDA generators, as ``torch.utils.checkpoint`` does) and its autocast
 state, and leave the running statistics of normalisation layers as the first
@@ -44,13 +58,16 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import MemschedError
 from planner.stages import named_stages
-from planner.plan import FORWARD_OPS, Plan, check_plan_matches
+from planner.plan import FORWARD_OPS, TRANSFER_OPS, Op, Plan, check_plan_matches
 
 
 def apply_plan(stages, plan: Plan, chain=None) -> "PlannedChain":
     """A module running ``stages`` by ``plan``; with ``chain`` the plan's fingerprint and stage names are checked."""
     pairs = named_stages(stages)
-    planned = 1 + max(op.stage for op in plan.schedule if op.stage is not None)
+    if plan.moves_data and plan.transfer is None:
+        raise MemschedError("the plan moves data between device and host but records no copy channel "
+                            "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
+    planned = 1 + max(op.stage for op in plan.schedule if op.stage is not None and op.kind not in TRANSFER_OPS)
     if planned != len(pairs):
         raise MemschedError(f"the plan schedules {planned} stages but {len(pairs)} were given; solve again for this model")
     if chain is not None:
@@ -73,7 +90,14 @@ class PlannedChain(torch.nn.Module):
         self.plan = plan
         self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
         self.releases = _output_releases(plan.schedule, len(pairs))
-        self.continued, self.absorbed = _fused_positions(plan.schedule)
+        if plan.moves_data:  # transfers run through planner/offload_executor.py; nothing of it otherwise
+            from planner.offload_executor import OffloadRun, fused_positions
+
+            self.continued, self.absorbed, self.kept_outputs = fused_positions(plan.schedule)
+            self.run_type = OffloadRun
+        else:
+            self.continued, self.absorbed = _fused_positions(plan.schedule)
+            self.run_type = _Run
         # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):
         # the loops below skip it, so a fused graph costs one operation's bookkeeping, as in a plain step.
         continued_stages = {plan.schedule[position].stage for position in self.continued}
@@ -103,7 +127,7 @@ class PlannedChain(torch.nn.Module):
             for module in self.stages:
                 activation = module(activation, *extra)
             return activation
-        run = _Run(self, first, extra)
+        run = self.run_type(self, first, extra)
         anchor = torch.empty(0, requires_grad=True)  # makes the output differentiable even when the input is data
         flat_inputs = [t for t in tree_flatten((first, extra))[0] if isinstance(t, torch.Tensor)]
         outputs = _Capture.apply(run, *_Schedule.apply(run, anchor, *flat_inputs))
@@ -142,13 +166,13 @@ def _fused_positions(schedule) -> tuple:
     for start, op in enumerate(schedule):
         if op.kind == "F_all":
             backward_of[start] = next((q for q in range(start + 1, len(schedule))
-                                       if schedule[q] == ("B", op.stage)), None)
+                                       if schedule[q] == Op("B", op.stage)), None)
     continued, absorbed = set(), set()
     for position, op in enumerate(schedule):
-        if op.kind != "F_all" or position == 0 or schedule[position - 1] != ("F_all", op.stage - 1):
+        if op.kind != "F_all" or position == 0 or schedule[position - 1] != Op("F_all", op.stage - 1):
             continue
         end = backward_of[position]
-        if end is None or end + 1 >= len(schedule) or schedule[end + 1] != ("B", op.stage - 1):
+        if end is None or end + 1 >= len(schedule) or schedule[end + 1] != Op("B", op.stage - 1):
             continue
         if any(later.kind in FORWARD_OPS and later.stage in (op.stage - 1, op.stage)
                for later in schedule[position + 1:end]):

@@ -1,7 +1,7 @@
 """The graph executor: runs a graph plan's schedule in a real training step, exactly, and nothing else.
 
 ``GraphExecutor(model, plan, graph)`` re-captures the model's joint
-forward+backward graph (profiles/graph_profiler.py, grouped into the same nodes
+forward+backward graph (planner/graph_capture.py, grouped into the same nodes
 the profile measured), checks that it is the graph the plan was solved for, and
 ``step(*inputs)`` runs one training step by the plan:
 
@@ -34,9 +34,9 @@ import torch
 from planner.errors import MemschedError
 from planner.executor import _accumulate, _rng_state, _set_rng_state
 from planner.graph import Graph
+from planner.graph_capture import StepRun, capture
 from planner.graph_simulator import simulate_graph
 from planner.plan import Plan
-from profiles.graph_profiler import StepRun, capture
 
 
 class GraphExecutor:

@@ -10,6 +10,18 @@ Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON
 * ``Loss``     the loss and its backward, producing ``δ_L``;
 * ``B i``      backward of stage i, producing ``δ_i``.
 
+Offload plans add transfers over the copy channel (planner/transfer.py) of
+*items*: ``saved i`` is ``ā_{i+1}``, what ``F_all i`` keeps; ``input i`` is
+``a_i`` held on its own (a checkpoint, i >= 1):
+
+* ``Offload i what``  start copying the item to the host (its device copy stays);
+* ``Release i what``  wait for that copy to end, then free the device copy;
+* ``Prefetch i what`` allocate the device copy and start copying it back; the
+  first operation that reads the item waits for the copy to end.
+
+The plan then records the ``transfer`` channel it was solved for
+(planner/offload_simulator.py gives the rules).
+
 A plan of kind ``graph`` schedules a graph problem (planner/graph.py) with
 :class:`GraphOp`: ``compute v`` runs node v, ``free v`` releases its value
 (the graph simulator, planner/graph_simulator.py, gives the rules).
@@ -22,27 +34,34 @@ from planner import validate
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
+from planner.transfer import Transfer
 
 PLAN_FORMAT = "memsched.plan/1"
 FORWARD_OPS = ("F_all", "F_ck", "F_none")
-OPS = FORWARD_OPS + ("Loss", "B")
+TRANSFER_OPS = ("Offload", "Release", "Prefetch")
+ITEMS = ("saved", "input")
+OPS = FORWARD_OPS + ("Loss", "B") + TRANSFER_OPS
 GRAPH_OPS = ("compute", "free")
 KINDS = ("chain", "graph")
-_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule")
+_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
 
 
 class Op(NamedTuple):
-    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``)."""
+    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``), and for a transfer the
+    item ``what`` in :data:`ITEMS`."""
 
     kind: str
     stage: Optional[int] = None
+    what: Optional[str] = None
 
     def __str__(self) -> str:
-        return self.kind if self.stage is None else f"{self.kind} {self.stage}"
+        text = self.kind if self.stage is None else f"{self.kind} {self.stage}"
+        return text if self.what is None else f"{text} {self.what}"
 
     def to_dict(self) -> dict:
-        return {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
+        out = {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
+        return out if self.what is None else {**out, "what": self.what}
 
 
 class GraphOp(NamedTuple):
@@ -87,6 +106,12 @@ class Plan:
     optimal: bool = False
     kind: str = "chain"
     gap: Optional[float] = None  # relative gap to the solver's bound, when it reports one (graph solvers)
+    transfer: Optional[Transfer] = None  # the copy channel an offload plan was solved for
+
+    @property
+    def moves_data(self) -> bool:
+        """True when the schedule has transfers (an offload plan)."""
+        return any(op.kind in TRANSFER_OPS for op in self.schedule) if self.kind == "chain" else False
 
     @property
     def recomputed_forwards(self) -> int:
@@ -108,6 +133,7 @@ class Plan:
             "predicted": {"peak_bytes": self.predicted.peak_bytes, "time": self.predicted.time,
                           "baseline_time": self.predicted.baseline_time, "overhead": self.predicted.overhead},
             "schedule": [op.to_dict() for op in self.schedule],
+            **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
         }
 
     @classmethod
@@ -151,6 +177,7 @@ class Plan:
             ),
             schedule=(_graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
                 validate.require(data, "schedule", where), f"{where}: schedule"),
+            transfer=None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer"),
         )
 
 
@@ -189,10 +216,18 @@ def _index(item: dict, key: str, here: str) -> int:
 def _schedule_from_list(raw, where: str) -> tuple:
     ops = []
     for here, item in _operations(raw, where, '{"op": "B", "stage": 3}'):
-        validate.reject_unknown(item, ("op", "stage"), here)
+        validate.reject_unknown(item, ("op", "stage", "what"), here)
         kind = validate.require(item, "op", here)
         if kind not in OPS:
             raise MemschedError(f"{here}: unknown op {kind!r}; expected one of {', '.join(OPS)}")
+        if kind in TRANSFER_OPS:
+            what = validate.require(item, "what", here)
+            if what not in ITEMS:
+                raise MemschedError(f"{here}: what must be one of {', '.join(ITEMS)} (what {kind} moves), got {what!r}")
+            ops.append(Op(kind, _index(item, "stage", here), what))
+            continue
+        if "what" in item:
+            raise MemschedError(f"{here}: only {', '.join(TRANSFER_OPS)} take 'what'")
         if kind == "Loss":
             if item.get("stage") is not None:
                 raise MemschedError(f"{here}: Loss takes no stage")

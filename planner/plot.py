@@ -14,7 +14,7 @@ from planner.units import format_bytes
 
 MIB = 2**20
 _CATEGORY_COLOURS = {"forward": "tab:blue", "recomputed forward": "tab:orange", "loss": "tab:purple",
-                     "backward": "tab:green"}
+                     "backward": "tab:green", "transfer": "tab:gray"}
 
 
 def _figure():
@@ -40,13 +40,15 @@ def plot_timeline(result, budget_bytes: int, path, title: str, categories=None) 
     Each operation is drawn as a step from the memory before it to its peak,
     held for its duration, then down to the memory after it; the area under
     each peak is coloured by kind (first forward, recomputed forward, loss,
-    backward; a chain's by default, ``categories`` per operation otherwise, as
-    :func:`planner.render.graph_op_categories` gives them for a graph plan). A
-    dashed line marks ``budget_bytes``, a triangle the peak.
+    backward, transfer; a chain's by default, ``categories`` per operation
+    otherwise, as :func:`planner.render.graph_op_categories` gives them for a
+    graph plan). A dashed line marks ``budget_bytes``, a triangle the peak; an
+    offload plan's copies are bars below zero (to the host, then back).
     """
     figure = _figure()
     axes = figure.add_subplot()
     steps = result.timeline
+    top = max(budget_bytes, result.peak_bytes)
     times, memory = [], []
     for step in steps:
         times += [step.start, step.start, step.end, step.end]
@@ -62,8 +64,15 @@ def plot_timeline(result, budget_bytes: int, path, title: str, categories=None) 
     peak = max(steps, key=lambda step: step.peak)
     axes.plot([(peak.start + peak.end) / 2], [peak.peak / MIB], marker="v", color="tab:red", linestyle="none",
               label=f"peak {format_bytes(peak.peak)} ({peak.op})")
+    for copy in getattr(result, "copies", ()):  # an offload plan: each copy as a bar under the axis
+        level = -0.03 if copy.direction == "d2h" else -0.06
+        axes.plot([copy.start, copy.end], [level * top / MIB] * 2, color="tab:gray" if copy.direction == "d2h"
+                  else "tab:brown", linewidth=3, solid_capstyle="butt")
+    if getattr(result, "copies", ()):
+        axes.plot([], [], color="tab:gray", linewidth=3, label="copy to host")
+        axes.plot([], [], color="tab:brown", linewidth=3, label="copy to device")
     axes.set_xlim(0, result.time)
-    axes.set_ylim(0, max(budget_bytes, result.peak_bytes) / MIB * 1.08)
+    axes.set_ylim(-0.08 * top / MIB if getattr(result, "copies", ()) else 0, top / MIB * 1.08)
     axes.set_xlabel("time (s)")
     axes.set_ylabel("memory (MiB)")
     axes.set_title(title)

@@ -5,11 +5,11 @@ and durations seconds on input; the text shows both bytes and a binary-unit
 form (planner.units.format_bytes).
 """
 
-from planner.plan import FORWARD_OPS
+from planner.plan import FORWARD_OPS, TRANSFER_OPS
 from planner.units import format_bytes
 
 # Categories of operations, with the letter the ASCII timeline uses for each.
-CATEGORY_LETTERS = {"forward": "F", "recomputed forward": "R", "loss": "L", "backward": "B"}
+CATEGORY_LETTERS = {"forward": "F", "recomputed forward": "R", "loss": "L", "backward": "B", "transfer": "T"}
 
 
 def format_seconds(seconds: float) -> str:
@@ -29,10 +29,13 @@ def describe_bytes(count: int) -> str:
 
 
 def op_categories(ops) -> list:
-    """Per operation: 'forward' (first forward of its stage), 'recomputed forward', 'loss' or 'backward'."""
+    """Per operation: 'forward' (first forward of its stage), 'recomputed forward', 'loss', 'backward' or
+    'transfer' (Offload, Release, Prefetch)."""
     seen, categories = set(), []
     for op in ops:
-        if op.kind in FORWARD_OPS:
+        if op.kind in TRANSFER_OPS:
+            categories.append("transfer")
+        elif op.kind in FORWARD_OPS:
             categories.append("recomputed forward" if op.stage in seen else "forward")
             seen.add(op.stage)
         else:
@@ -73,17 +76,17 @@ def graph_timeline(result, plan, categories, width: int = 60) -> list:
 
 def _schedule_groups(schedule) -> list:
     """Consecutive ops of one kind over consecutive stages as one range: ``F_all 5-19``, ``B 19-5``."""
-    groups = []  # [kind, first stage, last stage, direction (+1, -1 or 0 while single)]
+    groups = []  # [kind, first stage, last stage, direction (+1, -1 or 0 while single), what]
     for op in schedule:
         if groups and op.stage is not None:
-            kind, first, last, direction = groups[-1]
+            kind, first, last, direction, what = groups[-1]
             step = op.stage - last if last is not None else None
-            if kind == op.kind and step in (1, -1) and direction in (0, step):
-                groups[-1] = [kind, first, op.stage, step]
+            if (kind, what) == (op.kind, op.what) and step in (1, -1) and direction in (0, step):
+                groups[-1] = [kind, first, op.stage, step, what]
                 continue
-        groups.append([op.kind, op.stage, op.stage, 0])
-    return [kind if first is None else f"{kind} {first}" if first == last else f"{kind} {first}-{last}"
-            for kind, first, last, _ in groups]
+        groups.append([op.kind, op.stage, op.stage, 0, op.what])
+    return [(kind if first is None else f"{kind} {first}" if first == last else f"{kind} {first}-{last}")
+            + (f" {what}" if what else "") for kind, first, last, _, what in groups]
 
 
 def compact_schedule(schedule, width: int = None) -> str:
@@ -107,8 +110,9 @@ def _solver_text(plan, requested: str = None) -> str:
     return f"{plan.solver}{chosen}" + (f", {params}" if params else "")
 
 
-def solve_summary(plan, requested: str) -> list:
-    """Lines describing a fresh plan: solver, peak against budget, step time, overhead, recomputations, solve time."""
+def solve_summary(plan, requested: str, result=None) -> list:
+    """Lines describing a fresh plan: solver, peak against budget, step time, overhead, recomputations, solve time
+    (and for an offload plan its channel, with its simulation ``result`` the copies and stalls)."""
     predicted = plan.predicted
     return [
         f"chain      {plan.problem_name}",
@@ -120,8 +124,31 @@ def solve_summary(plan, requested: str) -> list:
         f"(no recomputation: {format_seconds(predicted.baseline_time)})",
         f"overhead   {format_percent(predicted.overhead)} over no recomputation",
         f"recomputed {plan.recomputed_forwards} forwards",
+        *transfer_lines(plan, result),
         f"solved in  {format_seconds(plan.solve_seconds)}, optimal: {'yes' if plan.optimal else 'no'}",
     ]
+
+
+def transfer_lines_for_channel(channel, what: str) -> list:
+    """One line naming a copy channel (:class:`planner.transfer.Transfer`) and what uses it; none without one."""
+    if channel is None:
+        return []
+    return [f"channel    {format_bytes(round(channel.d2h_bandwidth))}/s to host, "
+            f"{format_bytes(round(channel.h2d_bandwidth))}/s back, {format_seconds(channel.latency)} latency "
+            f"per copy ({what})"]
+
+
+def transfer_lines(plan, result=None) -> list:
+    """For an offload plan: its channel, and with a simulation (an :class:`OffloadResult`) its copies and stalls."""
+    if not plan.moves_data:
+        return []
+    offloads = sum(op.kind == "Offload" for op in plan.schedule)
+    lines = transfer_lines_for_channel(plan.transfer, f"{offloads} offloads")
+    if result is not None:
+        moved = sum(copy.nbytes for copy in result.copies if copy.direction == "d2h")
+        lines.append(f"copies     {format_bytes(moved)} each way; stalls {format_seconds(result.stall_time)} "
+                     f"({format_percent(result.stall_time / result.time if result.time else 0.0)} of the step)")
+    return lines
 
 
 def plan_header(plan) -> list:
@@ -133,6 +160,7 @@ def plan_header(plan) -> list:
         f"budget     {describe_bytes(plan.budget_bytes)}",
         f"peak       {describe_bytes(predicted.peak_bytes)} predicted",
         f"step time  {format_seconds(predicted.time)} predicted, overhead {format_percent(predicted.overhead)}",
+        *transfer_lines(plan),
         f"schedule   {len(plan.schedule)} operations, {plan.recomputed_forwards} forwards recomputed:",
     ]
 
@@ -184,7 +212,8 @@ def ascii_timeline(result, budget_bytes: int, width: int = 60, height: int = 10)
         f"{'0 B':>{label_width}} +" + "-" * width,
         " " * (label_width + 2) + "".join(letters[step.index] for step in columns),
         " " * (label_width + 2) + f"op 0{f'op {count - 1}':>{width - 4}}",
-        "F forward, R recomputed forward, L loss, B backward (the operation peaking in each column)",
+        "F forward, R recomputed forward, L loss, B backward" + (", T transfer" if "T" in letters else "")
+        + " (the operation peaking in each column)",
     ]
     return lines
 

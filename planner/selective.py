@@ -90,6 +90,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.errors import MemschedError
 from planner.stages import named_stages
 from planner.graph import Graph, schedule_with_frees
+from planner.graph_capture import capture, default_loss, preserved_joint_state
 from planner.graph_executor import _check_same_graph
 from planner.graph_simulator import GraphSimulator, simulate_graph
 from planner.plan import Plan, Predicted
@@ -270,8 +271,6 @@ def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_
     policies, on the example inputs, leaving parameters, buffers, gradients and the random state as found.
     A plan that is not save-only (:func:`is_save_plan`) raises a one-line :class:`MemschedError`.
     """
-    from profiles.graph_profiler import capture, preserved_state
-
     problem = save_plan_problem(plan, graph)
     if problem is not None:
         raise MemschedError(f"plan for graph '{graph.name}' is not save-only ({problem}), so no selective-checkpoint "
@@ -285,7 +284,7 @@ def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_
     pairs = _pairs(stages)
     recorders = {name: _Recorder(name) for name, _ in pairs}
     recorders[LOSS_REGION] = _Recorder(LOSS_REGION)
-    with preserved_state(joint):
+    with preserved_joint_state(joint):
         wrapped, wrapped_loss = checkpointed(pairs, recorders, loss_fn)
         activation = example_inputs[0]
         for _, stage in wrapped:
@@ -563,8 +562,6 @@ def checkpointed(stages, policy, loss_fn=None):
     original module (parameters shared), and the loss ``checkpoint(loss_fn, output, ...)``. Run them as the
     plain step: ``loss = loss_fn(stage_n(...stage_0(x)))``; ``loss.backward()``.
     """
-    from profiles.chain_profiler import default_loss
-
     regions = policy.regions if isinstance(policy, SelectivePolicy) else policy
     pairs = [(name, _SelectiveStage(module, regions[name])) for name, module in _pairs(stages)]
     loss_policy = regions[LOSS_REGION]

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import Op, Plan, check_plan_matches
+from planner.plan import TRANSFER_OPS, Op, Plan, check_plan_matches
 
 
 class ScheduleError(MemschedError):
@@ -197,11 +197,23 @@ def replay(state, step, schedule, label: str) -> tuple:
     return state, SimResult(peak_bytes=peak, time=clock, timeline=tuple(timeline))
 
 
-def simulate(chain: Chain, plan_or_schedule) -> SimResult:
-    """Peak bytes, total seconds and per-operation timeline of a plan (checked against ``chain``) or a schedule."""
+def simulate(chain: Chain, plan_or_schedule, transfer=None) -> SimResult:
+    """Peak bytes, total seconds and per-operation timeline of a plan (checked against ``chain``) or a schedule.
+
+    A schedule with transfers (an offload plan) is replayed by :mod:`planner.offload_simulator` over the copy
+    channel ``transfer``: the plan's own, else the one given, else the chain's."""
     if isinstance(plan_or_schedule, Plan):
         check_plan_matches(plan_or_schedule, chain)
         schedule = plan_or_schedule.schedule
+        transfer = plan_or_schedule.transfer or transfer
     else:
         schedule = plan_or_schedule
+    if any(op.kind in TRANSFER_OPS for op in schedule):
+        from planner.offload_simulator import simulate_offload
+
+        channel = transfer or chain.transfer
+        if channel is None:
+            raise MemschedError(f"chain '{chain.name}' has no copy channel for this offload schedule; give one "
+                                "(--bandwidth 16GB/s) or profile on CUDA")
+        return simulate_offload(chain, schedule, channel)
     return ChainSimulator(chain).run(schedule)

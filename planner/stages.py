@@ -1,4 +1,7 @@
-"""Stages as the profiler, the executor and the graph tools take them: ``[(name, module), ...]``."""
+"""Stages as the profiler, the executor and the graph tools take them: ``[(name, module), ...]``; and the model
+state a measuring run must leave as it found."""
+
+import contextlib
 
 import torch
 
@@ -22,3 +25,20 @@ def named_stages(stages) -> list:
     if not pairs:
         raise MemschedError("no stages to profile: give at least one module")
     return pairs
+
+
+@contextlib.contextmanager
+def preserved_state(modules, device):
+    """Restore buffers (BatchNorm statistics...), parameter gradients and random number generators afterwards."""
+    buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, torch.nn.Module) for b in m.buffers()]
+    grads = [(p, p.grad) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
+    cuda = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for parameter, grad in grads:
+                parameter.grad = grad

@@ -42,8 +42,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.stages import named_stages
+from planner.graph_capture import checked_device, default_loss, quiet_fake_tensor_log  # noqa: F401 (used by the CLI)
+from planner.stages import named_stages, preserved_state
 from profiles.memory import LiveMemoryTracker, memory_meter, storage_bytes, storages
+from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 
@@ -58,12 +60,14 @@ def build_fake(factory):
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
-                  estimate=False, throughput=None, progress=None) -> Chain:
+                  estimate=False, throughput=None, progress=None, transfer=None) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
     ``device`` moves stages and inputs there first; ``progress(k, stage_name)``
-    is called before each stage (k = L for the loss).
+    is called before each stage (k = L for the loss). The chain's copy channel
+    is ``transfer`` (a :class:`planner.transfer.Transfer`) when given, else the
+    one measured on CUDA (:mod:`profiles.transfer_profiler`), else none.
     """
     pairs = named_stages(stages)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -97,24 +101,10 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
     label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
-    return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss)
-
-
-@contextlib.contextmanager
-def quiet_fake_tensor_log():
-    """A stage failing on fake tensors makes torch log a traceback; the one-line error names it instead."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def default_loss(output):
-    """The loss used when a model gives none: the mean of the first tensor of the last output."""
-    return _tensors(output)[0].float().mean()
+    if transfer is None and fake_mode is None:
+        transfer = measure_transfer(device)
+    return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
+                 transfer=transfer)
 
 
 def _tensors(tree) -> list:
@@ -129,14 +119,6 @@ def _fake_mode(pairs, inputs):
             return tensor.fake_mode
     raise MemschedError("estimate mode needs the model and its inputs built under one FakeTensorMode "
                         "(profiles.chain_profiler.build_fake(factory) does it)")
-
-
-def checked_device(device) -> torch.device:
-    """``device`` as a torch device, or a one-line error when it is CUDA and this machine has none."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MemschedError("--device cuda: CUDA is not available on this machine; use --device cpu")
-    return device
 
 
 def _device_of(inputs) -> torch.device:
@@ -154,23 +136,6 @@ def _parameter_owners(modules) -> list:
                 seen.add(id(parameter))
                 owners[k].append(parameter)
     return owners
-
-
-@contextlib.contextmanager
-def preserved_state(modules, device):
-    """Restore buffers (BatchNorm statistics...), parameter gradients and random number generators afterwards."""
-    buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, torch.nn.Module) for b in m.buffers()]
-    grads = [(p, p.grad) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
-    cuda = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            for parameter, grad in grads:
-                parameter.grad = grad
 
 
 class _Runner:

@@ -276,8 +276,12 @@ def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, cl
 # unet-tiny
 
 
-def _conv_block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, kernel_size=3, padding=1, **_F32), nn.ReLU())
+def _conv_block(cin: int, cout: int, convs: int = 1) -> nn.Sequential:
+    """``convs`` times Conv3x3 + ReLU (the first ``cin -> cout``, the others ``cout -> cout``), as one flat Sequential."""
+    layers = []
+    for k in range(convs):
+        layers += [nn.Conv2d(cin if k == 0 else cout, cout, kernel_size=3, padding=1, **_F32), nn.ReLU()]
+    return nn.Sequential(*layers)
 
 
 class UNetStem(nn.Module):
@@ -294,9 +298,9 @@ class UNetStem(nn.Module):
 class UNetDown(nn.Module):
     """``(h, *skips) -> (maxpool(y), y, *skips)`` with ``y = conv_block(h)``: ``y`` is a long skip to the decoder."""
 
-    def __init__(self, cin: int, cout: int):
+    def __init__(self, cin: int, cout: int, convs: int = 1):
         super().__init__()
-        self.block = _conv_block(cin, cout)
+        self.block = _conv_block(cin, cout, convs)
 
     def forward(self, state):
         h, *skips = state
@@ -307,9 +311,9 @@ class UNetDown(nn.Module):
 class UNetMiddle(nn.Module):
     """The bottleneck: ``(h, *skips) -> (conv_block(h), *skips)``."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, convs: int = 1):
         super().__init__()
-        self.block = _conv_block(channels, channels)
+        self.block = _conv_block(channels, channels, convs)
 
     def forward(self, state):
         h, *skips = state
@@ -319,9 +323,9 @@ class UNetMiddle(nn.Module):
 class UNetUp(nn.Module):
     """``(h, skip, *skips) -> (conv_block(cat(upsample(h), skip)), *skips)``: nearest-neighbour x2 upsampling."""
 
-    def __init__(self, cin: int, cskip: int, cout: int):
+    def __init__(self, cin: int, cskip: int, cout: int, convs: int = 1):
         super().__init__()
-        self.block = _conv_block(cin + cskip, cout)
+        self.block = _conv_block(cin + cskip, cout, convs)
 
     def forward(self, state):
         h, skip, *skips = state
@@ -341,25 +345,28 @@ class UNetHead(nn.Module):
 
 
 def build_unet_tiny(*, levels: int = 2, channels: int = 8, size: int = 16, classes: int = 4,
-                    batch: int = 4) -> ChainModel:
+                    batch: int = 4, convs: int = 1) -> ChainModel:
     """A small U-Net with long skips: ``stem``, ``down0..``, ``middle``, ``up..0``, ``head``; per-pixel cross-entropy.
 
     Level k works at ``size / 2**k`` with ``channels * 2**k`` channels; ``down k`` hands its full-resolution
     output to ``up k`` across every deeper stage (the stages pass a tuple ``(h, *skips)``), so the skips
     of the first levels live from the start of the forward to the end of the backward's decoder part.
+    Each ``down``, the ``middle`` and each ``up`` stage runs ``convs`` Conv3x3 + ReLU layers (the original
+    U-Net has two): with more, the activations inside the levels outweigh the skips and the single
+    full-resolution decoder computation, so recomputation can save a larger share of the memory.
     ``size`` must be a multiple of ``2**levels``.
     """
     opts = _resolve("unet-tiny", build_unet_tiny, dict(levels=levels, channels=channels, size=size,
-                                                        classes=classes, batch=batch))
+                                                        classes=classes, batch=batch, convs=convs))
     if size % (2 ** levels):
         _fail("unet-tiny", build_unet_tiny, f"option size={size} must be a multiple of 2**levels={2 ** levels}")
     widths = [channels * 2 ** k for k in range(levels)]  # level k's channels
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         stages = [("stem", UNetStem(channels).train())]
-        stages += [(f"down{k}", UNetDown(widths[max(k - 1, 0)], widths[k]).train()) for k in range(levels)]
-        stages.append(("middle", UNetMiddle(widths[levels - 1]).train()))
-        stages += [(f"up{k}", UNetUp(widths[min(k + 1, levels - 1)], widths[k], widths[k]).train())
+        stages += [(f"down{k}", UNetDown(widths[max(k - 1, 0)], widths[k], convs).train()) for k in range(levels)]
+        stages.append(("middle", UNetMiddle(widths[levels - 1], convs).train()))
+        stages += [(f"up{k}", UNetUp(widths[min(k + 1, levels - 1)], widths[k], widths[k], convs).train())
                    for k in reversed(range(levels))]
         stages.append(("head", UNetHead(channels, classes).train()))
         images = torch.randn(batch, 3, size, size, **_F32)

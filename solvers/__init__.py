@@ -4,6 +4,14 @@ Each solver takes ``(chain, budget_bytes, **params)`` and returns a
 :class:`solvers.result.Solution`; :func:`solve` times it, replays its schedule
 in the simulator (whose figures, not the solver's, go into the plan) and
 refuses a schedule that does not fit the budget. Solvers never import torch.
+
+The offload solvers (solvers/offload.py: ``offload``, ``offload_greedy``,
+``offload_all``, which keep a compute schedule, ``schedule="store_all"|"rotor"``;
+solvers/pofo.py: ``pofo``, recomputation and offloading together) take the copy
+channel (``transfer=``, else the chain's); their plans are replayed by
+:func:`planner.simulator.simulate` over that channel, record it, and are not
+held to the least memory of recomputation alone (offloading goes below it; an
+infeasible budget is refused by the solver with the least peak it reaches).
 """
 
 import time
@@ -11,10 +19,12 @@ import time
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.plan import Plan, Predicted
-from planner.simulator import ChainSimulator
+from planner.simulator import ChainSimulator, simulate
 from planner.units import format_bytes
 from solvers.extremes import recompute_all, store_all, store_all_schedule
 from solvers.minimum import minimum_budget
+from solvers.offload import offload as _offload, offload_all as _offload_all, offload_greedy as _offload_greedy
+from solvers.pofo import pofo as _pofo
 from solvers.result import solver_params
 from solvers.revolve import revolve
 from solvers.rotor import rotor
@@ -27,7 +37,13 @@ SOLVERS = {
     "revolve": revolve,
     "rotor": rotor,
 }
-SOLVER_NAMES = ("auto",) + tuple(SOLVERS)
+OFFLOAD_SOLVERS = {
+    "offload": _offload,  # (aliased so that ``solvers.offload`` and ``solvers.pofo`` stay the modules)
+    "offload_greedy": _offload_greedy,
+    "offload_all": _offload_all,
+    "pofo": _pofo,
+}
+SOLVER_NAMES = ("auto",) + tuple(SOLVERS) + tuple(OFFLOAD_SOLVERS)
 
 
 def store_all_peak(chain: Chain) -> int:
@@ -49,24 +65,26 @@ def solve(chain: Chain, budget: int, solver: str = "auto", **params) -> Plan:
     """
     if solver not in SOLVER_NAMES:
         raise MemschedError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVER_NAMES)}")
-    minimum = minimum_budget(chain)
-    if budget < minimum:
-        raise MemschedError(
-            f"budget {format_bytes(budget)} ({budget} bytes) is below the minimum feasible "
-            f"{format_bytes(minimum)} ({minimum} bytes) for chain '{chain.name}'; raise the budget to at least that"
-        )
+    offloading = solver in OFFLOAD_SOLVERS
+    if not offloading:  # offloading can go below it, and its solvers state the least peak they reach
+        minimum = minimum_budget(chain)
+        if budget < minimum:
+            raise MemschedError(
+                f"budget {format_bytes(budget)} ({budget} bytes) is below the minimum feasible "
+                f"{format_bytes(minimum)} ({minimum} bytes) for chain '{chain.name}'; raise the budget to at least that"
+            )
     name = choose_solver(chain, budget) if solver == "auto" else solver
-    function = SOLVERS[name]
+    function = (OFFLOAD_SOLVERS if offloading else SOLVERS)[name]
     given = solver_params(name, function, params, ("chain", "budget"))
     started = time.perf_counter()
     solution = function(chain, budget, **given)
     elapsed = time.perf_counter() - started
-    result = ChainSimulator(chain).run(solution.schedule)
+    transfer = getattr(solution, "transfer", None)
+    result = simulate(chain, solution.schedule, transfer)
     if result.peak_bytes > budget:
-        raise MemschedError(
-            f"{name}: its schedule peaks at {format_bytes(result.peak_bytes)}, above the budget "
-            f"{format_bytes(budget)}; raise the budget or use --solver rotor (feasible down to {format_bytes(minimum)})"
-        )
+        hint = "--solver offload" if offloading else f"--solver rotor (feasible down to {format_bytes(minimum)})"
+        raise MemschedError(f"{name}: its schedule peaks at {format_bytes(result.peak_bytes)}, above the budget "
+                            f"{format_bytes(budget)}; raise the budget or use {hint}")
     return Plan(
         problem_name=chain.name,
         fingerprint=chain.fingerprint(),
@@ -74,7 +92,9 @@ def solve(chain: Chain, budget: int, solver: str = "auto", **params) -> Plan:
         params=solution.params,
         solve_seconds=elapsed,
         optimal=solution.optimal,
+        gap=getattr(solution, "gap", None),
         budget_bytes=budget,
         predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
         schedule=solution.schedule,
+        transfer=transfer,
     )

@@ -106,6 +106,10 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
     name = choose_graph_solver(graph, budget) if solver == "auto" else solver
     function = _function(name)
     given = solver_params(name, function, dict(params, time_limit=time_limit), ("graph", "budget"))
+    if name == "moccasin":  # its options checked before the budget, so that a bad one is named as such
+        from solvers.moccasin import check_options
+
+        check_options(**{key: given[key] for key in ("max_computations", "first_order") if key in given})
     lower = graph_lower_bound(graph)
     if budget < lower:
         raise MemschedError(f"budget {format_bytes(budget)} ({budget} bytes) is below {format_bytes(lower)} "

@@ -70,6 +70,13 @@ def test_solve_options_reach_the_solvers(files, capsys):
     assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin", "--max-computations", "3",
                      "--time-limit", "20", "-o", str(out)]) == 0
     assert load_plan(out).params == {"max_computations": 3, "time_limit": 20.0}
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin", "--first-order",
+                     "index", "--time-limit", "20", "-o", str(out)]) == 0
+    plan = load_plan(out)
+    assert plan.params == {"max_computations": 2, "time_limit": 20.0, "first_order": "index"} and plan.optimal
+    firsts = [op.node for i, op in enumerate(plan.schedule) if op.kind == "compute" and
+              ("compute", op.node) not in plan.schedule[:i]]
+    assert firsts == sorted(firsts)
     assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "checkmate", "--backend", "cbc",
                      "--time-limit", "20", "-o", str(out)]) == 0
     assert load_plan(out).params == {"backend": "cbc", "time_limit": 20.0}
@@ -80,6 +87,8 @@ def test_solve_options_reach_the_solvers(files, capsys):
     capsys.readouterr()
     assert cli.main(["solve", files["chain"], "--budget", "60%", "--gap", "0.01"]) == 2
     one_line_error(capsys, "--gap", "graph problems")
+    assert cli.main(["solve", files["chain"], "--budget", "60%", "--first-order", "index"]) == 2
+    one_line_error(capsys, "--first-order", "graph problems")
 
 
 def test_cyclic_graph_file(files, capsys, tmp_path):
@@ -96,6 +105,8 @@ def test_cyclic_graph_file(files, capsys, tmp_path):
     (["--slots", "10"], ["--slots", "chain solvers"]),
     (["--solver", "checkmate", "--time-limit", "0"], ["--time-limit must be a positive"]),
     (["--solver", "moccasin", "--backend", "cbc"], ["solver 'moccasin' takes no parameter 'backend'"]),
+    (["--solver", "moccasin", "--first-order", "stages"], ["first_order must be one of 'free', 'index'", "'stages'"]),
+    (["--solver", "checkmate", "--first-order", "index"], ["solver 'checkmate' takes no parameter 'first_order'"]),
     (["--solver", "checkmate", "--gap", "1.5"], ["--gap must be a fraction between 0 and 1"]),
 ])
 def test_bad_graph_solve_options(files, capsys, argv, fragments):

@@ -74,6 +74,23 @@ def test_moccasin_equals_brute_force_with_two_computations(seed):
         assert same_time(simulated(graph, solution, budget).time, fastest)
 
 
+@pytest.mark.parametrize("seed", range(1, 24, 4))
+def test_index_order_moccasin_equals_brute_force_over_its_class(seed):
+    graph = tiny(seed)
+    # every node 'random': the brute force keeps all first computations in index order
+    ordered = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(v, random=True) for v in graph.nodes))
+    low = least_peak(ordered)
+    for budget in budgets(graph, low)[:2]:
+        fastest = fastest_time(ordered, budget, max_computations=2)
+        if fastest == float("inf"):
+            with pytest.raises(MemschedError, match="proven infeasible"):
+                moccasin(graph, budget, max_computations=2, time_limit=30, first_order="index")
+            continue
+        solution = moccasin(graph, budget, max_computations=2, time_limit=30, first_order="index")
+        assert solution.optimal and first_computations(solution.schedule) == list(range(graph.size))
+        assert same_time(simulated(graph, solution, budget).time, fastest)
+
+
 @pytest.mark.parametrize("seed, budget", [(18, 209), (34, 122)])
 def test_unrestricted_order_beats_checkmate_only_through_the_order_of_first_computations(seed, budget):
     graph = tiny(seed)
@@ -86,12 +103,23 @@ def test_unrestricted_order_beats_checkmate_only_through_the_order_of_first_comp
     # first computations forced into index order (every node 'random'): the difference is gone
     ordered = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(v, random=True) for v in graph.nodes))
     assert same_time(fastest_time(ordered, budget), frontier)
+    index = moccasin(graph, budget, max_computations=3, first_order="index")
+    assert index.optimal and same_time(simulated(graph, index, budget).time, frontier)
 
 
-@pytest.mark.parametrize("seed, size", [(0, 12), (1, 16), (2, 20), (3, 30)])
+def first_computations(schedule):
+    """The nodes in the order of their first computation."""
+    order = []
+    for op in schedule:
+        if op.kind == "compute" and op.node not in order:
+            order.append(op.node)
+    return order
+
+
+@pytest.mark.parametrize("seed, size", [(0, 12), (1, 16), (2, 20), (3, 30), (7, 24), (3, 27), (5, 29), (6, 30)])
 def test_medium_graphs_solvers_agree(seed, size):
     graph = random_graph(100 + seed, size, scale_bytes=1000, shape=SHAPES[seed % 3])
-    minimum, exact = graph_minimum(graph)
+    minimum, exact = graph_minimum(graph, 60)  # proven in a second or two, unless the machine is loaded
     assert exact
     budget = (minimum + store_all_graph_peak(graph)) // 2
     highs = checkmate(graph, budget, time_limit=30)
@@ -102,11 +130,25 @@ def test_medium_graphs_solvers_agree(seed, size):
     # Checkmate's schedule is one of Moccasin's when C covers its recomputations, so Moccasin's optimum is at
     # least as fast, and its proven bound never above Checkmate's time
     counts = [sum(op == ("compute", v) for op in highs.schedule) for v in range(graph.size)]
-    mocc = moccasin(graph, budget, max_computations=max(2, *counts), time_limit=20)
+    computations = max(2, *counts)
+    order = [op.node for op in highs.schedule if op.kind == "compute"]
+    if size >= 24:
+        # first computations in index order, as Checkmate's: both proven optimal, the same time
+        index = moccasin(graph, budget, max_computations=computations, time_limit=60, first_order="index")
+        assert index.optimal and index.gap == 0.0 and index.params["first_order"] == "index"
+        assert first_computations(index.schedule) == list(range(graph.size))
+        assert same_time(simulated(graph, index, budget).time, fastest)
+        # free order, started from Checkmate's schedule: CP-SAT does not prove its optimum in test time, but
+        # never returns a slower schedule, and its bound is never above Checkmate's time
+        mocc = moccasin(graph, budget, max_computations=computations, time_limit=2, hint=order)
+    else:
+        mocc = moccasin(graph, budget, max_computations=computations, time_limit=20)
+    assert "first_order" not in mocc.params
     mocc_time = simulated(graph, mocc, budget).time
     assert (1 - mocc.gap) * mocc_time <= fastest * (1 + 1e-9)
+    assert mocc_time <= fastest * (1 + 1e-9)
     if size <= 20:
-        assert mocc.optimal and mocc_time <= fastest * (1 + 1e-9)
+        assert mocc.optimal
     rounded = checkmate_lp(graph, budget)
     assert not rounded.optimal
     rounded_time = simulated(graph, rounded, budget).time
@@ -162,6 +204,9 @@ def test_gap_asked_for_is_honoured_against_a_valid_bound():
         solution = checkmate(graph, budget, time_limit=30, gap=gap)
         seconds = simulated(graph, solution, budget).time
         assert solution.gap <= gap and (1 - solution.gap) * seconds <= fastest * (1 + 1e-9) <= seconds * (1 + 2e-9)
+        # a solver that stops within the gap asked for reports "optimal": the plan is optimal only at gap 0
+        assert solution.optimal == (solution.gap <= 1e-9)
+        assert not solution.optimal or same_time(seconds, fastest)
 
 
 def chain_graph(length, seed):
@@ -230,6 +275,28 @@ def test_solve_graph_errors():
         with pytest.raises(MemschedError, match=f"infeasible.*least memory of any frontier-advancing schedule is .*"
                                                 f"{minimum} bytes"):
             solve_graph(graph, minimum - 1, "checkmate")
+
+
+def test_moccasin_options_are_validated():
+    graph = random_graph(7, 20, scale_bytes=1000)
+    budget = int(0.85 * store_all_graph_peak(graph))
+    for bad in ("stages", "INDEX", None, 1):
+        with pytest.raises(MemschedError, match="first_order must be one of 'free', 'index', got") as caught:
+            moccasin(graph, budget, first_order=bad)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(MemschedError, match="first_order must be one of 'free', 'index', got 'stages'"):
+        solve_graph(graph, budget, "moccasin", first_order="stages")
+    with pytest.raises(MemschedError, match="solver 'checkmate' takes no parameter 'first_order'"):
+        solve_graph(graph, budget, "checkmate", first_order="index")
+    reader = max(v for v, node in enumerate(graph.nodes) if node.deps)
+    early = [reader] + [v for v in range(graph.size) if v != reader]  # a node before its dependencies
+    for bad in (early, list(range(graph.size - 1)), [-1] + list(range(graph.size)), "abc", 3):
+        with pytest.raises(MemschedError, match="hint must be True, False, None or a compute order"):
+            moccasin(graph, budget, hint=bad)
+    plan = solve_graph(graph, budget, "moccasin", time_limit=30, first_order="index")
+    assert plan.params == {"max_computations": 2, "time_limit": 30, "first_order": "index"} and plan.optimal
+    assert first_computations(plan.schedule) == list(range(graph.size))
+    assert same_time(plan.predicted.time, solve_graph(graph, budget, "checkmate").predicted.time)
 
 
 def test_time_limit_without_schedule_is_a_clear_error():

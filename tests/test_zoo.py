@@ -17,7 +17,7 @@ SCALED = {
     "mlp": {"layers": 3, "width": 48, "batch": 5},
     "gpt-tiny": {"layers": 2, "d": 48, "heads": 3, "seq": 10, "vocab": 37, "batch": 3, "dropout": 0.0},
     "resnet-tiny": {"blocks": 2, "channels": 8, "size": 9, "classes": 4, "batch": 3},
-    "unet-tiny": {"levels": 2, "channels": 4, "size": 8, "classes": 3, "batch": 3},
+    "unet-tiny": {"levels": 2, "channels": 4, "size": 8, "classes": 3, "batch": 3, "convs": 2},
 }
 STAGES = {
     "mlp": lambda o: [f"layer{i}" for i in range(o["layers"])],
@@ -84,6 +84,21 @@ def test_stage_outputs_have_the_expected_shapes():
     assert run_chain(net.stages, net.example_inputs).shape == (o["batch"], o["classes"])
 
 
+def test_unet_convs_per_level():
+    """``convs`` Conv3x3 + ReLU layers in every down, middle and up stage; ``convs=1`` is the default model."""
+    base = {k: v for k, v in SCALED["unet-tiny"].items() if k != "convs"}
+    default, one = zoo.build("unet-tiny", **base), zoo.build("unet-tiny", convs=1, **base)
+    for (_, a), (_, b) in zip(default.stages, one.stages, strict=True):
+        da, db = a.state_dict(), b.state_dict()
+        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)
+    net = zoo.build("unet-tiny", convs=3, **base)
+    for stage, module in net.stages:
+        convs = sum(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+        assert convs == (1 if stage in ("stem", "head") else 3), stage
+    out = run_chain(net.stages, net.example_inputs)
+    assert out.shape == (base["batch"], base["classes"], base["size"], base["size"])
+
+
 def test_gpt_attention_is_causal_and_mask_not_persistent():
     gpt = zoo.build("gpt-tiny", **SCALED["gpt-tiny"])  # dropout 0: deterministic outputs
     ids = gpt.example_inputs[0]
@@ -147,12 +162,15 @@ def test_unknown_option_lists_options_with_defaults():
     assert "'depth'" in message and "layers=32, width=128, batch=2048" in message
     message = one_line_error(zoo.build, "resnet-tiny", width=3)
     assert "blocks=4, channels=32, size=32, classes=10, batch=16" in message
+    message = one_line_error(zoo.build, "unet-tiny", depth=3)
+    assert "'depth'" in message and "levels=2, channels=8, size=16, classes=4, batch=4, convs=1" in message
 
 
 @pytest.mark.parametrize("spec, option", [
     ("mlp:layers=abc", "layers"), ("mlp:layers=0", "layers"), ("mlp:layers=-2", "layers"),
     ("mlp:width=2.5", "width"), ("gpt-tiny:dropout=1", "dropout"), ("gpt-tiny:dropout=-0.1", "dropout"),
     ("gpt-tiny:dropout=x", "dropout"), ("gpt-tiny:d=130", "d=130"), ("resnet-tiny:batch=0", "batch"),
+    ("unet-tiny:convs=0", "convs"), ("unet-tiny:convs=1.5", "convs"), ("unet-tiny:size=10", "size=10"),
 ])
 def test_bad_values_name_the_option(spec, option):
     name, options = zoo.parse_spec(spec)

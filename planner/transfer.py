@@ -1,0 +1,81 @@
+"""The copy channel between device and host memory, used by offload plans.
+
+Two copy engines run concurrently with compute and with each other, one per
+direction, each copying one transfer at a time in the order transfers are
+issued. A transfer of ``n`` bytes occupies its engine ``latency + n /
+bandwidth`` seconds. Bandwidths are bytes per second; a bandwidth of 0 means
+no channel in that direction (nothing can be offloaded).
+
+``memsched profile`` measures the channel on CUDA with pinned host memory;
+elsewhere the user gives it (``--bandwidth 12GB/s``). In a chain file it is the
+optional ``transfer`` object; a plan that moves data records the channel it was
+solved for, so its prediction does not depend on where the chain came from.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+
+from planner import validate
+from planner.errors import MemschedError
+
+TRANSFER_FIELDS = ("d2h_bandwidth", "h2d_bandwidth", "latency")
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(?:/\s*s)?\s*$")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Device-to-host and host-to-device bandwidths (bytes/s) and the fixed cost of one transfer (s)."""
+
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    latency: float = 0.0
+
+    def seconds(self, nbytes: int, direction: str) -> float:
+        """How long one transfer of ``nbytes`` occupies the ``"d2h"`` or ``"h2d"`` engine (inf without a channel)."""
+        bandwidth = self.d2h_bandwidth if direction == "d2h" else self.h2d_bandwidth
+        return self.latency + nbytes / bandwidth if bandwidth > 0 else math.inf
+
+    @property
+    def usable(self) -> bool:
+        """True when data can go both ways (an offload needs both)."""
+        return self.d2h_bandwidth > 0 and self.h2d_bandwidth > 0
+
+    def to_dict(self) -> dict:
+        return {"d2h_bandwidth": self.d2h_bandwidth, "h2d_bandwidth": self.h2d_bandwidth, "latency": self.latency}
+
+    @classmethod
+    def from_dict(cls, raw, where: str = "transfer") -> "Transfer":
+        """Validate a ``transfer`` object; a bad field raises a one-line :class:`MemschedError`."""
+        if not isinstance(raw, dict):
+            raise MemschedError(f"{where} must be an object with fields {', '.join(TRANSFER_FIELDS)}")
+        validate.reject_unknown(raw, TRANSFER_FIELDS, where)
+        values = {}
+        for field in ("d2h_bandwidth", "h2d_bandwidth"):
+            values[field] = _bandwidth(validate.require(raw, field, where), f"{where}.{field}")
+        values["latency"] = validate.non_negative_seconds(raw.get("latency", 0.0), f"{where}.latency")
+        return cls(**values)
+
+
+NO_TRANSFER = Transfer(0.0, 0.0, 0.0)
+
+
+def _bandwidth(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise MemschedError(f"{where} must be a finite number of bytes per second >= 0, got {value!r}")
+    return float(value)
+
+
+def parse_bandwidth(text: str, what: str = "--bandwidth") -> float:
+    """Bytes per second from ``16GB/s``, ``12GiB/s``, ``800MB`` or ``1.5e10`` (decimal and binary units)."""
+    match = _RATE.match(str(text))
+    factor = _UNITS.get((match.group(2) or "b").lower()) if match else None
+    if factor is None:
+        raise MemschedError(f"{what}: cannot read {text!r}; write a rate like 16GB/s, 12GiB/s or 0 (no channel)")
+    value = float(Decimal(match.group(1)) * factor)
+    if not math.isfinite(value):
+        raise MemschedError(f"{what}: {text!r} is not a finite rate")
+    return value

@@ -1,0 +1,296 @@
+"""POFO: recomputation and offloading decided together, by one dynamic program over the chain.
+
+After Beaumont, Eyraud-Dubois, Shilova, "Efficient Combination of Rematerialization and Offloading for
+Training DNNs" (NeurIPS 2021). Rotor's recurrence (:mod:`solvers.rotor`) decides, for each sub-chain
+``k..e`` entered with ``a_k`` held and ``m`` memory units to spare, whether to *chain* (``F_all k``, solve
+``k+1..e``, ``B k``) or to advance to a checkpoint ``a_j`` (*leaf j*: solve ``j..e``, then ``k..j-1``).
+POFO adds a third option for each activation, *offload*: the item that holds ``a_k`` (``ā_k`` when the
+parent chained, ``saved k-1``; the checkpoint ``a_k`` when it advanced, ``input k``) leaves the device while
+it is not needed, in both of Rotor's choices:
+
+* *chain, offloaded*: ``Offload item, F_all k, Release item``, solve ``k+1..e`` with the item's memory
+  freed, ``Prefetch item`` just before that sub-chain's last operation (``B k+1``, or the loss), ``B k``;
+* *leaf j, offloaded*: ``Offload item, F_ck k, F_none k+1..j-1, Release item``, solve ``j..e`` with the
+  item's memory freed, ``Prefetch item`` before its last operation (``B j``), then ``k..j-1``.
+
+Timing is exact for this class: at the start of every sub-chain both copy engines are idle (every earlier
+offload was released before its sub-chain began, every earlier prefetch was read before the current
+sub-chain's last operation), so an offload's copy overlaps exactly the forwards between its ``Offload`` and
+its ``Release`` (the release stalls ``max(0, d2h - forwards)``), and a prefetch's copy exactly the last
+operation it precedes (the next operation stalls ``max(0, h2d - that operation)``). Memory: the last
+operation of a sub-chain always runs in the same state (``a_k``'s item, ``ā_{k+1}`` and ``δ_{k+1}``, the
+parameter gradients of ``k+1..e``), so the prefetched item is checked against it alone.
+
+The DP is Rotor's at the same discretisation (``unit = budget // slots``; sizes held are rounded up, the
+memory an offload frees is rounded *down*, so every schedule fits in bytes), with two tables (``a_k``
+inside ``ā_k``, or held on its own), filled by a numba kernel as Rotor's. The input ``a_0`` is the caller's
+and never moves. With no usable channel the offload options vanish and the table is Rotor's; the solver
+also runs Rotor and keeps the faster, so it is never slower than Rotor at the same budget. Every schedule
+is replayed by the offload simulator, whose step time equals the table's (tests check it, and against an
+exhaustive search of the class on small chains).
+
+The class fixes where each copy happens, so a copy longer than the forward (or backward) it overlaps
+stalls even when later operations could hide it. The table's plan is therefore *re-timed*: the exact offload
+solver (:mod:`solvers.offload`) places the transfers freely on the same compute schedule, and also tries the
+store-all schedule and Rotor's for a budget halfway to the store-all peak (recomputation for half the way,
+offloading for the rest), each for a third of ``time_limit``; a faster plan is returned (marked not optimal:
+it is better than the class's optimum, not proven best overall). Below the table's reach (a budget under the
+least memory of recomputation, which offloading a sub-chain's first activation cannot lower), Rotor's
+schedules for budgets a little above that least memory and the store-all schedule are offloaded by the
+exact solver instead, and the fastest plan that fits is returned (not optimal).
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from planner.chain import Chain
+from planner.errors import MemschedError
+from planner.plan import TRANSFER_OPS, Op
+from planner.simulator import ChainSimulator, simulate
+from planner.transfer import Transfer
+from planner.units import format_bytes
+from solvers.extremes import store_all_schedule
+from solvers.minimum import minimum_budget
+from solvers.offload import OffloadSolution, offload
+from solvers.rotor import DEFAULT_SLOTS, discretise, final_state_fits, rotor
+from solvers.rotor_model import RotorArrays
+
+CHAIN, CHAIN_OFFLOAD = 0, -1  # choice codes; a leaf j is +j, an offloaded leaf j is -(j + 1); NONE has no schedule
+NONE = -(1 << 30)
+DEFAULT_RETIMING_LIMIT = 10.0  # seconds for the exact offload solver to re-time the plan
+HELD_ALONE, IN_SAVED = 0, 1  # how a sub-chain's a_k is held: on its own (input k) or inside ā_k (saved k-1)
+
+
+@numba.njit(cache=True, inline="always")
+def _need_last(x, xown, bwd_tmp, param_prefix, k, e):
+    """Units the last operation of ``k..e`` (``B k``, or the loss) needs: ``δ_k``, ``δ_{k+1}``, ``ā_{k+1}``
+    shrunk, its temporary and the parameter gradients of ``k+1..e``."""
+    return x[k] + x[k + 1] + xown[k + 1] + bwd_tmp[k] + param_prefix[e + 1] - param_prefix[k + 1]
+
+
+@numba.njit(cache=True, inline="always")
+def _relax(time, choice, low, shift, step, right, left, left_shift, code):
+    """``time[m] = min(time[m], step + right[min(m - shift, top)] (+ left[m - left_shift] when left_shift >= 0))``
+    for ``m >= low``, recording ``code`` where it improves."""
+    top = len(time) - 1
+    start = max(low, shift, 0)
+    split = min(top, top + shift)  # beyond it m - shift > top: read right at the top
+    if left_shift >= 0:
+        for m in range(start, split + 1):
+            cost = step + right[m - shift] + left[m - left_shift]
+            if cost < time[m]:
+                time[m] = cost
+                choice[m] = code
+        for m in range(max(start, split + 1), top + 1):
+            cost = step + right[top] + left[m - left_shift]
+            if cost < time[m]:
+                time[m] = cost
+                choice[m] = code
+    else:
+        for m in range(start, split + 1):
+            cost = step + right[m - shift]
+            if cost < time[m]:
+                time[m] = cost
+                choice[m] = code
+        for m in range(max(start, split + 1), top + 1):
+            cost = step + right[top]
+            if cost < time[m]:
+                time[m] = cost
+                choice[m] = code
+
+
+@numba.njit(cache=True, parallel=True)
+def _fill_tables(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, units, d2h, h2d,
+                 time, choice):
+    """Fill ``time[kind, k, e, :]`` and ``choice`` for every ``k <= e`` (see :class:`PofoTables`)."""
+    length = len(fwd_time) - 1
+    top = time.shape[3] - 1
+    for k in range(length + 1):
+        low = max(x[k + 1] + xbar[k + 1] + fwd_tmp[k], _need_last(x, xown, bwd_tmp, param_prefix, k, k))
+        for kind in range(2):
+            for m in range(low, top + 1):
+                time[kind, k, k, m] = fwd_time[k] + bwd_time[k]
+                choice[kind, k, k, m] = CHAIN
+    for span in range(1, length + 1):
+        for task in numba.prange(2 * (length + 1 - span)):
+            kind, k = task % 2, task // 2
+            e = k + span
+            best, chosen = time[kind, k, e], choice[kind, k, e]
+            offloadable = np.isfinite(d2h[kind, k]) and np.isfinite(h2d[kind, k])
+            # chain: F_all k, then k+1..e holding ā_{k+1}, then B k
+            chain_need = max(xbar[k + 1], x[e + 1] + xbar[k + 1] + fwd_tmp[k],
+                             _need_last(x, xown, bwd_tmp, param_prefix, k, e))
+            step = fwd_time[k] + bwd_time[k]
+            right = time[1, k + 1, e]
+            _relax(best, chosen, chain_need, xbar[k + 1], step, right, right, -1, CHAIN)
+            if offloadable:
+                stall = max(0.0, d2h[kind, k] - fwd_time[k]) + max(0.0, h2d[kind, k] - bwd_time[k + 1])
+                last = xbar[k + 1] + _need_last(x, xown, bwd_tmp, param_prefix, k + 1, e)
+                _relax(best, chosen, max(chain_need, last), xbar[k + 1] - units[kind, k], step + stall, right, right,
+                       -1, CHAIN_OFFLOAD)
+            # leaf j: F_ck k, F_none k+1..j-1, then j..e holding a_j, then k..j-1
+            advance, forwards = 0.0, 0
+            for j in range(k + 1, e + 1):
+                advance += fwd_time[j - 1]
+                if j == k + 1:
+                    forwards = x[e + 1] + x[k + 1] + nograd_tmp[k]
+                else:
+                    forwards = max(forwards, x[e + 1] + x[j - 1] + x[j] + nograd_tmp[j - 1])
+                later = param_prefix[e + 1] - param_prefix[j]
+                low = max(forwards, x[j], later)
+                if low > top:
+                    continue
+                left, right = time[kind, k, j - 1], time[0, j, e]
+                _relax(best, chosen, low, x[j], advance, right, left, later, j)
+                if offloadable:
+                    stall = max(0.0, d2h[kind, k] - advance) + max(0.0, h2d[kind, k] - bwd_time[j])
+                    last = x[j] + _need_last(x, xown, bwd_tmp, param_prefix, j, e)
+                    _relax(best, chosen, max(low, last), x[j] - units[kind, k], advance + stall, right, left, later,
+                           -(j + 1))
+
+
+class PofoTables:
+    """``time[kind, k, e, m]``: least seconds for sub-chain ``k..e`` with ``m`` spare units, ``a_k`` held as
+    ``kind`` (HELD_ALONE or IN_SAVED); ``choice`` the same shape, with the codes above. States with more
+    than ``top`` units (reached only inside sub-chains, after an offload) are read at ``top``: the table
+    never gets slower with more memory, and the whole chain never has more than ``top``."""
+
+    def __init__(self, arrays: RotorArrays, top: int, transfer: Transfer, unit: int, chain: Chain):
+        self.a, self.top, self.unit = arrays, top, unit
+        length = arrays.length
+        self.length = length
+        size = length + 1
+        act_bytes = [chain.act_bytes(i) for i in range(size)]
+        saved_bytes = [0] + [s.saved_bytes for s in chain.stages]
+        item_bytes = (act_bytes, saved_bytes)  # indexed [kind][k]: the item holding a_k
+        # memory an offload frees, rounded down to units, so that schedules fit in bytes
+        self.item_units = np.array([[b // unit for b in items] for items in item_bytes], dtype=np.int64)
+        usable = transfer is not None and transfer.usable
+        self.d2h, self.h2d = (np.array([[transfer.seconds(b, direction) if usable and k > 0 else np.inf
+                                         for k, b in enumerate(items)] for items in item_bytes])
+                              for direction in ("d2h", "h2d"))
+        self.time = np.full((2, size, size, top + 1), np.inf)
+        self.choice = np.full((2, size, size, top + 1), NONE, dtype=np.int32)
+        a = arrays
+        _fill_tables(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
+                     a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice)
+
+    def schedule(self, k: int, e: int, m: int, kind: int) -> list:
+        """The operations behind ``time[kind][k, e, m]``."""
+        code = int(self.choice[kind, k, e, m])
+        if code == NONE:
+            raise AssertionError(f"no schedule for {k}..{e} at {m} units")
+        a = self.a
+        item = Op("Offload", k, "input") if kind == HELD_ALONE else Op("Offload", k - 1, "saved")
+        release, prefetch = item._replace(kind="Release"), item._replace(kind="Prefetch")
+        if k == e:
+            return [Op("Loss")] if k == self.length else [Op("F_all", k), Op("B", k)]
+        if code in (CHAIN, CHAIN_OFFLOAD):
+            freed = int(self.item_units[kind, k]) if code == CHAIN_OFFLOAD else 0
+            right = self.schedule(k + 1, e, min(m - int(a.xbar[k + 1]) + freed, self.top), IN_SAVED)
+            if code == CHAIN:
+                return [Op("F_all", k)] + right + [Op("B", k)]
+            return [item, Op("F_all", k), release] + right[:-1] + [prefetch, right[-1], Op("B", k)]
+        j = code if code > 0 else -code - 1
+        forwards = [Op("F_ck", k)] + [Op("F_none", i) for i in range(k + 1, j)]
+        later = int(a.param_prefix[e + 1] - a.param_prefix[j])
+        left = self.schedule(k, j - 1, m - later, kind)
+        if code > 0:
+            return forwards + self.schedule(j, e, m - int(a.x[j]), HELD_ALONE) + left
+        right = self.schedule(j, e, min(m - int(a.x[j]) + int(self.item_units[kind, k]), self.top), HELD_ALONE)
+        return [item] + forwards + [release] + right[:-1] + [prefetch, right[-1]] + left
+
+
+def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFAULT_SLOTS,
+         time_limit: float = DEFAULT_RETIMING_LIMIT) -> OffloadSolution:
+    """The fastest schedule of POFO's class (see the module docstring) whose peak fits ``budget`` at ``slots``
+    discretisation, with copies over ``transfer`` (default: the chain's channel); then re-timed by the exact
+    offload solver within ``time_limit`` seconds (0: not), the faster plan kept."""
+    transfer = transfer or chain.transfer
+    if transfer is None:
+        raise MemschedError("pofo: the chain has no copy channel; give one (transfer=, or --bandwidth 16GB/s)")
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 <= time_limit < math.inf:
+        raise MemschedError(f"pofo: time_limit must be a number of seconds >= 0, got {time_limit!r}")
+    params = {"slots": slots, "time_limit": time_limit}
+    simulator = ChainSimulator(chain)
+    store_all = store_all_schedule(chain.length)
+    if simulator.run(store_all).peak_bytes <= budget:
+        return OffloadSolution(store_all, params=params, optimal=True, transfer=transfer)
+    unit, arrays, top = discretise(chain, budget, slots)
+    found = None
+    if top >= 0 and final_state_fits(arrays, top):
+        tables = PofoTables(arrays, top, transfer, unit, chain)
+        if math.isfinite(tables.time[HELD_ALONE, 0, chain.length, top]):
+            found = tuple(tables.schedule(0, chain.length, top, HELD_ALONE))
+    optimal = found is not None
+    try:
+        plain = rotor(chain, budget, slots)
+    except MemschedError:
+        plain = None
+    if plain is not None and (found is None or simulator.run(plain.schedule).time <= _time(chain, found, transfer)):
+        optimal = plain.optimal and (found is not None or not transfer.usable)
+        found = plain.schedule
+    if found is None and transfer.usable and time_limit > 0:
+        found = _below_recomputation(chain, budget, transfer, time_limit)
+        if found is not None:
+            return OffloadSolution(found, params=params, optimal=False, transfer=transfer)
+    if found is None:
+        least = minimum_budget(chain)
+        where = (f"below the least memory of any recomputation schedule, {format_bytes(least)} ({least} bytes), "
+                 "and no offload plan found reaches it" if budget < least else "at this bandwidth")
+        raise MemschedError(f"pofo: no schedule of recomputation and offloading fits {format_bytes(budget)} "
+                            f"({budget} bytes) {where}; raise the budget or the bandwidth")
+    retimed = _retimed(chain, budget, transfer, found, time_limit) if transfer.usable and time_limit > 0 else None
+    if retimed is not None:
+        return OffloadSolution(retimed, params=params, optimal=False, transfer=transfer)
+    return OffloadSolution(found, params=params, optimal=optimal, transfer=transfer)
+
+
+def _retimed(chain: Chain, budget: int, transfer: Transfer, schedule, time_limit: float):
+    """A faster plan from the exact offload solver, on the same compute schedule (its transfers placed freely),
+    on the store-all schedule and on Rotor's for a budget halfway to the store-all peak, each given a third of
+    ``time_limit``; None when none is faster."""
+    best, best_time = None, _time(chain, schedule, transfer)
+    compute = tuple(op for op in schedule if op.kind not in TRANSFER_OPS)
+    halfway = (budget + ChainSimulator(chain).run(store_all_schedule(chain.length)).peak_bytes) // 2
+    for candidate, schedule_budget in ((compute, None), ("store_all", None), ("rotor", halfway)):
+        try:
+            solution = offload(chain, budget, transfer, schedule=candidate, schedule_budget=schedule_budget,
+                               time_limit=time_limit / 3)
+        except MemschedError:  # no offload plan of that schedule fits
+            continue
+        seconds = _time(chain, solution.schedule, transfer)
+        if seconds < best_time * (1 - 1e-12):
+            best, best_time = solution.schedule, seconds
+    return best
+
+
+BELOW_POINTS = (0.0, 0.02, 0.05, 0.1, 0.25)  # Rotor schedules tried below the table's reach, as fractions of the
+# way from the least memory to the store-all peak
+
+
+def _below_recomputation(chain: Chain, budget: int, transfer: Transfer, time_limit: float):
+    """Where the table has no schedule (below what recomputation with this class of offloads reaches): the
+    fastest exact offload plan within ``budget`` of Rotor's schedules for budgets a little above the least
+    memory (:data:`BELOW_POINTS`) and of the store-all schedule, each given an equal share of ``time_limit``;
+    None when none fits."""
+    least = minimum_budget(chain)
+    high = ChainSimulator(chain).run(store_all_schedule(chain.length)).peak_bytes
+    tries = [("rotor", least + int(point * (high - least))) for point in BELOW_POINTS] + [("store_all", None)]
+    best, best_time = None, math.inf
+    for schedule, schedule_budget in tries:
+        try:
+            solution = offload(chain, budget, transfer, schedule=schedule, schedule_budget=schedule_budget,
+                               time_limit=time_limit / len(tries))
+        except MemschedError:
+            continue
+        seconds = _time(chain, solution.schedule, transfer)
+        if seconds < best_time:
+            best, best_time = solution.schedule, seconds
+    return best
+
+
+def _time(chain: Chain, schedule, transfer) -> float:
+    return simulate(chain, schedule, transfer).time
