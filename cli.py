@@ -115,7 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
                        help="--graph: coarsen the captured step to at most N nodes (default: 200)")
     train.add_argument("--time-limit", type=float, metavar="SECONDS", help="--graph: solver time limit")
-    _add_channel_arguments(train, "offload solvers (pofo, offload...): the copy channel (default: the chain's)")
+    _add_channel_arguments(train, "offload solvers (pofo, offload...) and --offload-weights: the copy channel "
+                                  "(default: the chain's)")
+    train.add_argument("--offload-weights", metavar="all|I,J,...",
+                       help="keep these stages' parameters on the host (as for solve)")
     train.add_argument("--steps", type=_at_least(1), default=5, metavar="N", help="training steps (default: 5)")
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
@@ -153,7 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("--gap", type=float, metavar="G",
                        help="checkmate: stop once the schedule is within G (0.01 = 1%%) of the solver's bound "
                             "(default 0: proven optimal)")
-    _add_channel_arguments(solve, "pofo and the offload solvers: the copy channel (default: the chain's)")
+    _add_channel_arguments(solve, "pofo, the offload solvers and --offload-weights: the copy channel (default: the "
+                                  "chain's)")
+    solve.add_argument("--offload-weights", metavar="all|I,J,...",
+                       help="keep these stages' parameters on the host, brought in around each of their operations "
+                            "(their gradients go to the host after their backward), with any solver")
     solve.add_argument("--schedule", choices=("store_all", "rotor"),
                        help="offload, offload_greedy, offload_all: the compute schedule whose activations are "
                             "offloaded (default: store_all)")
@@ -388,7 +395,13 @@ def _solve(args) -> None:
 
 
 def _offload_params(args, chain, solver: str) -> dict:
-    """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers; refused for the others."""
+    """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers (refused for the others),
+    and ``weights`` with the channel for ``--offload-weights`` (any solver)."""
+    weights = getattr(args, "offload_weights", None)
+    if weights is not None and solver not in solvers.OFFLOAD_SOLVERS:
+        if getattr(args, "schedule", None) is not None or args.time_limit is not None:
+            raise MemschedError(f"--schedule and --time-limit are for pofo and the offload solvers, not for {solver}")
+        return {"weights": weights, "transfer": _required_channel(args, chain, "--offload-weights")}
     if solver not in solvers.OFFLOAD_SOLVERS:
         given = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--h2d-bandwidth", args.h2d_bandwidth),
                                           ("--latency", args.latency), ("--schedule", getattr(args, "schedule", None)),
@@ -397,13 +410,19 @@ def _offload_params(args, chain, solver: str) -> dict:
             raise MemschedError(f"{given[0]} is for pofo and the offload solvers ({', '.join(solvers.OFFLOAD_SOLVERS)}), "
                                 f"not for {solver}")
         return {}
-    channel = _channel(args, chain)
-    if channel is None:
-        raise MemschedError(f"{solver} moves activations to host memory and needs the copy channel: give --bandwidth "
-                            "(e.g. 16GB/s), or profile the chain on CUDA, which measures it")
+    channel = _required_channel(args, chain, solver)
     if args.time_limit is not None and not args.time_limit > 0:
         raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
-    return {"transfer": channel, "schedule": getattr(args, "schedule", None), "time_limit": args.time_limit}
+    return {"transfer": channel, "schedule": getattr(args, "schedule", None), "time_limit": args.time_limit,
+            "weights": weights}
+
+
+def _required_channel(args, chain, what: str):
+    channel = _channel(args, chain)
+    if channel is None:
+        raise MemschedError(f"{what} moves data to host memory and needs the copy channel: give --bandwidth "
+                            "(e.g. 16GB/s), or profile the chain on CUDA, which measures it")
+    return channel
 
 
 def _solve_graph(args) -> None:

@@ -36,10 +36,17 @@ frees the device copy, ``Prefetch`` allocates it and copies back at the
 operation the plan names (on CUDA on a copy stream per direction, ordered by
 events, from pinned host memory; on CPU synchronously, the host copy a NumPy
 array outside the device accounting), and reading an item left on the host
-fails with a one-line error. A transfer breaks fusion where the fused graph
-would otherwise read an item or change memory at another time than the plan
-says. ``apply_plan`` refuses a plan with transfers that records no copy
-channel. A plan without transfers installs no hook and runs exactly as before.
+fails with a one-line error. Plans may also move ``weights i`` / ``grads i``
+(a *host-weight stage*: from ``apply_plan`` on, its parameters live on the
+host between steps, the same ``Parameter`` objects with ``.data`` and
+``.grad`` on the host, CPU tensors on CUDA, where the optimizer steps on
+them; prefetched for the stage's operations, its gradients copied out after
+``B i``; no fusion with such a stage, no tied weights). A transfer breaks
+fusion where the fused graph would otherwise read an item or change memory at
+another time than the plan says. ``apply_plan`` refuses a plan with transfers
+that records no copy channel. A plan without transfers installs no hook and
+runs exactly as before (parameters an earlier plan put on the host go back to
+their device first).
 
 Recomputed forwards replay the random numbers of the stage's first forward
 (CPU and CUDA generators, as ``torch.utils.checkpoint`` does) and its autocast
@@ -51,6 +58,7 @@ reference to the returned output across ``backward()`` (write
 """
 
 import contextlib
+import sys
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -91,11 +99,16 @@ class PlannedChain(torch.nn.Module):
         self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
         self.releases = _output_releases(plan.schedule, len(pairs))
         if plan.moves_data:  # transfers run through planner/offload_executor.py; nothing of it otherwise
-            from planner.offload_executor import OffloadRun, fused_positions
+            from planner.offload_executor import OffloadRun, fused_positions, prepare_host_weights
 
             self.continued, self.absorbed, self.kept_outputs = fused_positions(plan.schedule)
             self.run_type = OffloadRun
+            # Host-weight stages (plans moving weights i): their parameters now live on the host between steps.
+            self.host_weights = prepare_host_weights([module for _, module in pairs], plan.schedule)
         else:
+            if "planner.offload_executor" in sys.modules:  # parameters an earlier plan kept on the host: back
+                sys.modules["planner.offload_executor"].prepare_host_weights([module for _, module in pairs], ())
+            self.host_weights = {}
             self.continued, self.absorbed = _fused_positions(plan.schedule)
             self.run_type = _Run
         # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):
@@ -124,8 +137,14 @@ class PlannedChain(torch.nn.Module):
     def forward(self, first, *extra):
         if not torch.is_grad_enabled():  # inference: no schedule needed
             activation = first
-            for module in self.stages:
-                activation = module(activation, *extra)
+            for k, module in enumerate(self.stages):
+                if k in self.host_weights:  # parameters on the host: a device copy for the call (CUDA)
+                    from planner.offload_executor import weights_on_device
+
+                    with weights_on_device(self.host_weights[k]):
+                        activation = module(activation, *extra)
+                else:
+                    activation = module(activation, *extra)
             return activation
         run = self.run_type(self, first, extra)
         anchor = torch.empty(0, requires_grad=True)  # makes the output differentiable even when the input is data
@@ -279,9 +298,10 @@ class _Run:
         extras = [t for t in tree_flatten(graph.extra)[0] if isinstance(t, torch.Tensor)]
         targets = [t for t in leaves + extras if t.requires_grad]
         pairs = [(edge, grad) for edge, grad in zip(graph.edges, incoming) if edge is not None and grad is not None]
+        inputs = targets + self._gradient_inputs(graph, parameters)
         del incoming, graph
-        results = _differentiate(pairs, targets + parameters) if pairs and targets + parameters else \
-            [None] * (len(targets) + len(parameters))
+        results = _differentiate(pairs, inputs) if pairs and inputs else [None] * len(inputs)
+        del inputs
         _accumulate(parameters, results[len(targets):])
         by_target = iter(results[:len(targets)])
         self.grads[first] = [next(by_target) if t.requires_grad else None for t in leaves]
@@ -292,6 +312,13 @@ class _Run:
                     self.extra_grads[k] = grad if self.extra_grads[k] is None else self.extra_grads[k] + grad
         if i > 0:
             self.acts.pop(i, None)
+
+    def _gradient_inputs(self, graph, parameters) -> list:
+        """What ``autograd.grad`` differentiates for ``parameters`` (tensors, or gradient edges)."""
+        return parameters
+
+    def finish(self) -> None:
+        """After the step's last operation."""
 
     def _call(self, i, module, *args):
         """``module(*args)`` for stage i. Its first forward records the random state (when the plan recomputes
@@ -390,6 +417,7 @@ class _Schedule(torch.autograd.Function):
         with torch.enable_grad():
             for position in planned.backward_positions:
                 run.run(position)
+        run.finish()
         grads = list(run.grads.pop(0)) + run.extra_grads
         return (None, None, *grads)
 

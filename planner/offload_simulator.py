@@ -24,6 +24,17 @@ Memory is the device's: bytes resident between operations, and each compute
 operation's peak as in the chain simulator. The step time is compute time plus
 stalls; the copies themselves overlap compute.
 
+**Weights** (the ZeRO-Offload pattern). A stage whose ``weights i`` the
+schedule moves is a *host-weight stage*: its parameters (``param_bytes``) are
+on the host at the start, and every compute operation of the stage reads them.
+``Prefetch i weights`` brings them in as for any item; ``Release i weights``
+drops the device copy at once, with no copy back (the host copy is current;
+an ``Offload`` of weights is refused). After ``B i`` the stage's gradients,
+``grads i``, are copied out (``Offload``) and freed (``Release``) as any item,
+and never come back: the stage's optimizer steps on the host. The schedule
+must end with a host-weight stage's weights and gradients on the host. The
+other stages' parameters stay on the device, outside the budget as before.
+
 When ``δ_i`` appears while ``ā_i`` is being offloaded, the device copy shrinks to
 ``own_saved_bytes`` as it would on the device, and the released and prefetched
 bytes are those (the part the stage's backward reads).
@@ -87,24 +98,45 @@ class OffloadResult(SimResult):
 class OffloadSimulator:
     """Replays a chain schedule with transfers (see the module docstring)."""
 
-    def __init__(self, chain: Chain, transfer: Transfer):
+    def __init__(self, chain: Chain, transfer: Transfer, host_weights=()):
         self.chain = chain
         self.transfer = transfer
         self.compute = ChainSimulator(chain)
         self.length = chain.length
+        self.host_weights = frozenset(host_weights)
 
     def initial_state(self) -> OffloadState:
-        return OffloadState(self.compute.initial_state(), 0.0, 0.0, 0.0, (), (), 0.0)
+        """Only the input on the device, and the parameters of the host-weight stages on the host."""
+        away = tuple(sorted((("weights", i), Moving(ON_HOST, 0.0, self.chain.stages[i].param_bytes))
+                            for i in self.host_weights))
+        return OffloadState(self.compute.initial_state(), 0.0, 0.0, 0.0, away, (), 0.0)
 
     def run(self, schedule) -> OffloadResult:
-        """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation."""
+        """Replay a whole schedule (its host-weight stages are those whose weights it moves); an invalid one
+        raises :class:`ScheduleError` naming the operation."""
+        schedule = list(schedule)
+        host_weights = host_weight_stages(schedule)
+        bad = sorted(i for i in host_weights if not 0 <= i < self.length)
+        if bad:
+            raise ScheduleError(f"schedule moves the weights of stage {bad[0]}, which does not exist")
+        if host_weights != self.host_weights:
+            return OffloadSimulator(self.chain, self.transfer, host_weights).run(schedule)
         self._index = 0
         state, result = replay(self.initial_state(), self._counted_step, schedule, "schedule[{index}]")
-        if state.moving:
-            (what, stage), moving = state.moving[0]
+        for (what, stage), moving in state.moving:
+            if moving.phase == ON_HOST and what in ("weights", "grads"):
+                continue
             if moving.phase == COPYING:
                 raise ScheduleError(f"schedule ends while {what} {stage} is still offloaded without Release")
             raise ScheduleError(f"schedule ends with {what} {stage} {moving.phase}")
+        away = dict(state.moving)
+        for i in sorted(self.host_weights):
+            if ("weights", i) not in away:
+                raise ScheduleError(f"schedule ends with the weights of stage {i} on the device (Release them: a "
+                                    "host-weight stage's parameters stay on the host, where its optimizer steps)")
+            if self.chain.stages[i].param_bytes and ("grads", i) not in away:
+                raise ScheduleError(f"schedule ends with the gradients of host-weight stage {i} on the device "
+                                    "(Offload and Release them: its optimizer steps on the host)")
         if not self.compute.is_complete(state.base):
             self.compute.run([op for op in schedule if op.kind not in TRANSFER_OPS])  # raises the missing step
         return OffloadResult(peak_bytes=result.peak_bytes, time=result.time, timeline=result.timeline,
@@ -146,6 +178,16 @@ class OffloadSimulator:
         moving = dict(state.moving)
         current = moving.get(item)
         base = state.base
+        if op.what == "weights" and op.kind == "Offload":
+            raise ValueError("weights are never copied to the host (the host copy is current): Release them")
+        if op.what == "grads":
+            if op.stage not in self.host_weights:
+                raise ValueError(f"only a host-weight stage's gradients move (its optimizer steps on the host); stage "
+                                 f"{op.stage}'s weights stay on the device")
+            if op.kind == "Prefetch":
+                raise ValueError("gradients on the host stay there (the optimizer steps on the host)")
+        if op.what == "weights" and op.kind == "Release":
+            return self._release_weights(state, op, current, moving)
         if op.kind == "Offload":
             stall = 0.0
             if current is not None and current.phase == LOADING:  # it must be back first: wait, as a read would
@@ -179,6 +221,18 @@ class OffloadSimulator:
                              copies=state.copies + (Copy(index, item, "h2d", start, end, current.nbytes),))
         return new, memory, 0.0
 
+    def _release_weights(self, state: OffloadState, op: Op, current, moving: dict):
+        """Drop a stage's device parameters at once (waiting for a prefetch still in flight): no copy back."""
+        if current is not None and current.phase != LOADING:
+            raise ValueError(f"weights {op.stage} are not on the device (Prefetch them first)")
+        stall = 0.0 if current is None else max(0.0, current.end - state.clock)
+        nbytes = self.chain.stages[op.stage].param_bytes
+        moving[("weights", op.stage)] = Moving(ON_HOST, state.clock + stall, nbytes)
+        base = state.base
+        new = state._replace(base=base._replace(memory=base.memory - nbytes), clock=state.clock + stall,
+                             moving=tuple(sorted(moving.items())), stall=state.stall + stall)
+        return new, base.memory, stall
+
     def _seconds(self, nbytes: int, direction: str) -> float:
         seconds = self.transfer.seconds(nbytes, direction)
         if math.isinf(seconds):
@@ -188,6 +242,10 @@ class OffloadSimulator:
     def device_bytes(self, base: State, item) -> int:
         """Bytes of an item on the device; a ``ValueError`` if it is not there."""
         what, i = item
+        if what == "grads":
+            if not 0 <= i < self.length or not base.done >> i & 1:
+                raise ValueError(f"the gradients of stage {i} do not exist yet (B {i} makes them)")
+            return self.chain.stages[i].param_bytes
         if what == "saved":
             if not 0 <= i < self.length or not base.abar >> (i + 1) & 1:
                 raise ValueError(f"ā_{i + 1} is not in memory (F_all {i} keeps it)")
@@ -211,6 +269,8 @@ class OffloadSimulator:
             items = [("saved", op.stage), self._provider(base, op.stage)]
         else:
             items = [self._provider(base, op.stage)] if op.stage is not None and 0 <= op.stage < self.length else []
+        if op.stage in self.host_weights:
+            items.append(("weights", op.stage))
         return [item for item in items if item is not None]
 
     def _frees(self, base: State, op: Op) -> list:
@@ -221,13 +281,29 @@ class OffloadSimulator:
         return [("input", op.stage)] if op.kind == "F_none" else []
 
     def _shrink_moving(self, before: State, after: State, op: Op, moving: dict) -> None:
-        """When ``δ_i`` appears while ``ā_i`` is being offloaded, the bytes it will release and bring back (in
+        """**Weights** (the ZeRO-Offload pattern). A stage whose ``weights i`` the
+schedule moves is a *host-weight stage*: its parameters (``param_bytes``) are
+on the host at the start, and every compute operation of the stage reads them.
+``Prefetch i weights`` brings them in as for any item; ``Release i weights``
+drops the device copy at once, with no copy back (the host copy is current;
+an ``Offload`` of weights is refused). After ``B i`` the stage's gradients,
+``grads i``, are copied out (``Offload``) and freed (``Release``) as any item,
+and never come back: the stage's optimizer steps on the host. The schedule
+must end with a host-weight stage's weights and gradients on the host. The
+other stages' parameters stay on the device, outside the budget as before.
+
+When ``δ_i`` appears while ``ā_i`` is being offloaded, the bytes it will release and bring back (in
         ``moving``) are the shrunk ones."""
         i = self.length if op.kind == "Loss" else op.stage if op.kind == "B" else None
         item = ("saved", i - 1) if i else None
         if item in moving and not before.grad >> i & 1 and after.grad >> i & 1:
             producer = self.chain.stages[i - 1]
             moving[item] = moving[item]._replace(nbytes=producer.own_saved_bytes)
+
+
+def host_weight_stages(schedule) -> frozenset:
+    """The stages whose parameters live on the host: those whose ``weights`` the schedule moves."""
+    return frozenset(op.stage for op in schedule if op.what == "weights")
 
 
 def simulate_offload(chain: Chain, schedule, transfer: Transfer) -> OffloadResult:

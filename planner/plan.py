@@ -12,7 +12,9 @@ Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON
 
 Offload plans add transfers over the copy channel (planner/transfer.py) of
 *items*: ``saved i`` is ``ā_{i+1}``, what ``F_all i`` keeps; ``input i`` is
-``a_i`` held on its own (a checkpoint, i >= 1):
+``a_i`` held on its own (a checkpoint, i >= 1); ``weights i`` and ``grads i``
+are stage i's parameters and their gradients, for a stage whose parameters
+live on the host:
 
 * ``Offload i what``  start copying the item to the host (its device copy stays);
 * ``Release i what``  wait for that copy to end, then free the device copy;
@@ -39,7 +41,7 @@ from planner.transfer import Transfer
 PLAN_FORMAT = "memsched.plan/1"
 FORWARD_OPS = ("F_all", "F_ck", "F_none")
 TRANSFER_OPS = ("Offload", "Release", "Prefetch")
-ITEMS = ("saved", "input")
+ITEMS = ("saved", "input", "weights", "grads")
 OPS = FORWARD_OPS + ("Loss", "B") + TRANSFER_OPS
 GRAPH_OPS = ("compute", "free")
 KINDS = ("chain", "graph")

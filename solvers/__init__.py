@@ -29,6 +29,7 @@ from solvers.result import solver_params
 from solvers.revolve import revolve
 from solvers.rotor import rotor
 from solvers.sqrt import sqrt
+from solvers.weights import host_weight_stages, place_weight_transfers, weight_reserve
 
 SOLVERS = {
     "store_all": store_all,
@@ -56,15 +57,18 @@ def choose_solver(chain: Chain, budget: int) -> str:
     return "store_all" if budget >= store_all_peak(chain) else "rotor"
 
 
-def solve(chain: Chain, budget: int, solver: str = "auto", **params) -> Plan:
+def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **params) -> Plan:
     """The plan ``solver`` finds for ``chain`` within ``budget`` bytes, its figures from the simulator.
 
+    ``weights`` (``"all"`` or stage indices) puts those stages' parameters on the host (solvers/weights.py).
     Raises :class:`MemschedError` for an unknown solver or parameter, a budget
     below the least memory any schedule needs (the message states it), or a
     solver whose schedule does not fit.
     """
     if solver not in SOLVER_NAMES:
         raise MemschedError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVER_NAMES)}")
+    if weights is not None:
+        return _solve_with_host_weights(chain, budget, solver, weights, params)
     offloading = solver in OFFLOAD_SOLVERS
     if not offloading:  # offloading can go below it, and its solvers state the least peak they reach
         minimum = minimum_budget(chain)
@@ -96,5 +100,46 @@ def solve(chain: Chain, budget: int, solver: str = "auto", **params) -> Plan:
         budget_bytes=budget,
         predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
         schedule=solution.schedule,
+        transfer=transfer,
+    )
+
+
+def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, params: dict) -> Plan:
+    """:func:`solve` with the parameters of the ``weights`` stages on the host (solvers/weights.py): the rest is
+    solved within the budget less what those parameters can hold at once, then the weight and gradient
+    transfers are placed and the whole plan is simulated over the copy channel."""
+    stages = host_weight_stages(chain, weights)
+    transfer = params.get("transfer") if solver in OFFLOAD_SOLVERS else params.pop("transfer", None)
+    transfer = transfer or chain.transfer
+    if transfer is None or not transfer.usable:
+        raise MemschedError("weights on the host need a copy channel both ways: give --bandwidth (e.g. 16GB/s), "
+                            "or profile the chain on CUDA, which measures it")
+    reserve = weight_reserve(chain, stages)
+    rest = budget - reserve
+    if rest <= 0:
+        raise MemschedError(f"budget {format_bytes(budget)} does not hold the parameters of two host-weight stages "
+                            f"({format_bytes(reserve)}); raise the budget")
+    try:
+        inner = solve(chain, rest, solver, **params)
+    except MemschedError as exc:
+        raise MemschedError(f"with the parameters of {len(stages)} stages on the host, {format_bytes(rest)} of "
+                            f"the budget is left for the rest of the step ({format_bytes(reserve)} is kept for "
+                            f"the stages' parameters on the device): {exc}") from None
+    started = time.perf_counter()
+    schedule = place_weight_transfers(inner.schedule, stages)
+    result = simulate(chain, schedule, transfer)
+    if result.peak_bytes > budget:  # the reserve bounds the weights; gradients leave before they pile up
+        raise MemschedError(f"{inner.solver} with weights on the host peaks at {format_bytes(result.peak_bytes)}, "
+                            f"above the budget {format_bytes(budget)}; raise the budget")
+    return Plan(
+        problem_name=chain.name,
+        fingerprint=chain.fingerprint(),
+        solver=inner.solver,
+        params={**inner.params, "weights": list(stages)},
+        solve_seconds=inner.solve_seconds + time.perf_counter() - started,
+        optimal=False,
+        budget_bytes=budget,
+        predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
+        schedule=schedule,
         transfer=transfer,
     )

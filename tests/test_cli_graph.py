@@ -143,4 +143,4 @@ def test_show_refuses_mismatches(files, capsys, tmp_path):
     assert cli.main(["show", str(chain_plan), "--graph", files["graph"]]) == 2
     one_line_error(capsys, "plan of kind 'chain'", "not for a graph")
     assert cli.main(["solve", files["chain"], "--budget", "90%", "--time-limit", "5"]) == 2
-    one_line_error(capsys, "--time-limit", "graph problems")
+    one_line_error(capsys, "--time-limit", "for pofo and the offload solvers")

@@ -91,7 +91,7 @@ def test_transfer_operations_round_trip_and_old_plans_are_unchanged():
 
 @pytest.mark.parametrize("item, message", [
     ({"op": "Offload", "stage": 0}, "missing field 'what'"),
-    ({"op": "Offload", "stage": 0, "what": "weights"}, "what must be one of saved, input"),
+    ({"op": "Offload", "stage": 0, "what": "params"}, "what must be one of saved, input, weights, grads"),
     ({"op": "B", "stage": 0, "what": "saved"}, "only Offload, Release, Prefetch take 'what'"),
     ({"op": "Prefetch", "what": "saved"}, "missing field 'stage'"),
 ])
