@@ -18,7 +18,7 @@ transfer at a time in issue order. An *item* is ``saved i`` (``ā_{i+1}``, what
 * A compute operation that reads an item being prefetched waits for the copy
   (a stall) before it starts; one that reads an item on the host is an error.
   An operation may not free an item whose offload copy is still running, and
-  a schedule may not end with an item that is moving or on the host.
+  a schedule may not end with an activation that is moving or on the host.
 
 Memory is the device's: bytes resident between operations, and each compute
 operation's peak as in the chain simulator. The step time is compute time plus
@@ -281,18 +281,7 @@ class OffloadSimulator:
         return [("input", op.stage)] if op.kind == "F_none" else []
 
     def _shrink_moving(self, before: State, after: State, op: Op, moving: dict) -> None:
-        """**Weights** (the ZeRO-Offload pattern). A stage whose ``weights i`` the
-schedule moves is a *host-weight stage*: its parameters (``param_bytes``) are
-on the host at the start, and every compute operation of the stage reads them.
-``Prefetch i weights`` brings them in as for any item; ``Release i weights``
-drops the device copy at once, with no copy back (the host copy is current;
-an ``Offload`` of weights is refused). After ``B i`` the stage's gradients,
-``grads i``, are copied out (``Offload``) and freed (``Release``) as any item,
-and never come back: the stage's optimizer steps on the host. The schedule
-must end with a host-weight stage's weights and gradients on the host. The
-other stages' parameters stay on the device, outside the budget as before.
-
-When ``δ_i`` appears while ``ā_i`` is being offloaded, the bytes it will release and bring back (in
+        """When ``δ_i`` appears while ``ā_i`` is being offloaded, the bytes it will release and bring back (in
         ``moving``) are the shrunk ones."""
         i = self.length if op.kind == "Loss" else op.stage if op.kind == "B" else None
         item = ("saved", i - 1) if i else None

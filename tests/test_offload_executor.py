@@ -203,14 +203,9 @@ def test_offload_plan_is_the_plain_step_at_the_predicted_peak(models, name, plan
         assert measured <= most * bare_measured, (measured, bare_measured, measured / bare_measured)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_each_transfer_changes_the_memory_as_simulated(models, name, monkeypatch):
-    """Each Release frees, and each Prefetch allocates, exactly the bytes the simulator moves (Offload none):
-    the device copies are really freed and allocated when the plan says. (Between operations the levels may
-    differ where stages run fused: one autograd call then does several backwards at the first one's B.)"""
-    model, chain, _, _ = models[name]
-    plan = plan_of(chain, rotor_offloaded(chain, ("input", "saved")))
-    timeline = simulate(chain, plan.schedule, CHANNEL).timeline
+def transfer_deltas(model, plan, chain, monkeypatch) -> dict:
+    """``{schedule position: bytes the tracker saw it allocate (+) or free (-)}`` for each transfer of one
+    planned step."""
     tracker, seen = LiveMemoryTracker(), {}
     original = OffloadRun.run
 
@@ -226,6 +221,18 @@ def test_each_transfer_changes_the_memory_as_simulated(models, name, monkeypatch
     torch.manual_seed(SEED)
     with tracker:
         model.loss_fn(planned(*model.example_inputs)).backward()
+    return seen
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_transfer_changes_the_memory_as_simulated(models, name, monkeypatch):
+    """Each Release frees, and each Prefetch allocates, exactly the bytes the simulator moves (Offload none):
+    the device copies are really freed and allocated when the plan says. (Between operations the levels may
+    differ where stages run fused: one autograd call then does several backwards at the first one's B.)"""
+    model, chain, _, _ = models[name]
+    plan = plan_of(chain, rotor_offloaded(chain, ("input", "saved")))
+    timeline = simulate(chain, plan.schedule, CHANNEL).timeline
+    seen = transfer_deltas(model, plan, chain, monkeypatch)
     clear_grads(model)
     transfers = [step for step in timeline if step.op.kind in TRANSFER_OPS]
     assert len(seen) == len(transfers) and any(step.op.kind == "Release" for step in transfers)

@@ -12,6 +12,7 @@ from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 from solvers.weights import host_weight_stages, place_weight_transfers, weight_reserve
+from test_offload_simulator import ops
 
 CHANNEL = Transfer(d2h_bandwidth=100.0, h2d_bandwidth=50.0, latency=0.0)  # 100 B of weights: 2 s in, 1 s out
 
@@ -20,14 +21,6 @@ def two_stage_chain():
     """Stages of 1 s forward, 2 s backward, 10-byte outputs saving 20 bytes, 100 bytes of parameters each."""
     stages = tuple(Stage(f"s{i}", 1.0, 2.0, out_bytes=10, saved_bytes=20, param_bytes=100) for i in range(2))
     return Chain("two", "cpu", 5, stages, Loss())
-
-
-def ops(text):
-    out = []
-    for word in text.split(","):
-        parts = word.split()
-        out.append(Op(parts[0], *(int(parts[1]),) if len(parts) > 1 else (), *parts[2:]))
-    return out
 
 
 def test_worked_example_by_hand():

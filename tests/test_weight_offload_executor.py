@@ -20,14 +20,13 @@ from torch.testing import assert_close
 
 from planner import MemschedError, Op, simulate
 from planner.executor import apply_plan
-from planner.offload_executor import OffloadRun, fused_positions, host_weight_stages, live_copies
+from planner.offload_executor import fused_positions, host_weight_stages, live_copies
 from planner.plan import TRANSFER_OPS
-from profiles.memory import LiveMemoryTracker
 from profiles.spec import load_model
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
 from test_executor import SEED, SMALL, clear_grads, grads, parameters, plain_forward, plain_step, profile
-from test_offload_executor import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of,
+from test_offload_executor import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
                                    store_all_offloaded, without_transfers)
 
 SPECS = {"mlp": "mlp:layers=6", "gpt-tiny": SMALL["gpt-tiny"]}
@@ -198,21 +197,7 @@ def test_each_weight_transfer_changes_the_memory_as_simulated(models, monkeypatc
     model = copy.deepcopy(original)
     plan = plan_of(chain, PLANS["rotor"](chain))
     timeline = simulate(chain, plan.schedule, CHANNEL).timeline
-    tracker, seen = LiveMemoryTracker(), {}
-    run_op = OffloadRun.run
-
-    def run(self, position):
-        before = tracker.current
-        run_op(self, position)
-        if self.planned.plan.schedule[position].kind in TRANSFER_OPS:
-            seen[position] = tracker.current - before
-
-    monkeypatch.setattr(OffloadRun, "run", run)
-    planned = apply_plan(model.stages, plan, chain)
-    clear_grads(model)
-    torch.manual_seed(SEED)
-    with tracker:
-        model.loss_fn(planned(*model.example_inputs)).backward()
+    seen = transfer_deltas(model, plan, chain, monkeypatch)
     moves = [step for step in timeline if step.op.kind in TRANSFER_OPS and step.op.what in ("weights", "grads")]
     assert {step.op.kind for step in moves} == {"Prefetch", "Release", "Offload"}
     for step in moves:
