@@ -1,4 +1,4 @@
-"""The ``memsched`` command line: ``demo``, ``profile``, ``solve``, ``show``, ``pareto`` and ``train``.
+"""The ``memsched`` command line: ``demo``, ``profile``, ``solve``, ``show``, ``pareto``, ``train`` and ``memory``.
 
 Argument parsing and printing only: the work is done by planner/ and
 solvers/, the text by planner/render.py and the PNGs by planner/plot.py.
@@ -18,7 +18,7 @@ from planner.jsonio import read_json
 from planner.plan import check_graph_plan_matches
 from solvers.graph import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
 from planner.plot import plot_pareto, plot_timeline
-from planner.units import parse_budget
+from planner.units import format_bytes, parse_budget
 from solvers.minimum import minimum_budget
 
 PARETO_SOLVERS = ("rotor", "sqrt", "store_all")
@@ -58,6 +58,68 @@ def _add_channel_arguments(parser, purpose: str) -> None:
                                                              "(and host-to-device, unless --h2d-bandwidth)")
     parser.add_argument("--h2d-bandwidth", metavar="RATE", help="host-to-device bandwidth (default: --bandwidth)")
     parser.add_argument("--latency", type=float, metavar="SECONDS", help="fixed seconds per transfer (default: 0)")
+
+
+def _add_setup_arguments(parser, device_memory_only: bool = False) -> None:
+    """``--device-memory`` and the training setup (planner/step_memory.py) that ``--budget auto`` and ``memory``
+    read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused)."""
+    from planner.step_memory import OPTIMIZERS, PRECISIONS
+
+    parser.add_argument("--device-memory", metavar="BYTES",
+                        help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
+                             "parameters, gradients and optimizer state are counted")
+    if device_memory_only:
+        return
+    parser.add_argument("--optimizer", metavar="NAME",
+                        help=f"optimizer whose state is resident: {', '.join(OPTIMIZERS)} (default: adam)")
+    parser.add_argument("--precision", metavar="NAME",
+                        help=f"{', '.join(PRECISIONS)}; bf16, fp16: mixed precision with an fp32 master copy "
+                             "(default: fp32)")
+    parser.add_argument("--zero", type=int, metavar="STAGE",
+                        help="ZeRO stage 0-3 over the --dp ranks: 1 shards optimizer state and master copy, "
+                             "2 also gradients, 3 also parameters (default: 0)")
+    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (default: 1)")
+
+
+_SETUP_FLAGS = (("--optimizer", "optimizer"), ("--precision", "precision"), ("--zero", "zero"), ("--dp", "dp"))
+
+
+def _setup(args):
+    """The :class:`planner.step_memory.TrainingSetup` the arguments give (defaults: adam, fp32, ZeRO 0, 1 rank)."""
+    from planner.step_memory import TrainingSetup
+
+    given = {field: getattr(args, field, None) for _, field in _SETUP_FLAGS}
+    return TrainingSetup(**{field: value for field, value in given.items() if value is not None})
+
+
+def _auto_budget(args, chain):
+    """``(budget, how)`` for ``--budget auto``; ``(None, None)`` for another budget (then refusing the setup flags)."""
+    from planner.step_memory import activation_budget, chain_gradient_bytes, parameters_of
+
+    given = [flag for flag, field in (("--device-memory", "device_memory"),) + _SETUP_FLAGS
+             if getattr(args, field, None) is not None]
+    if args.budget != "auto":
+        if given:
+            raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "
+                                "give --budget auto with it, or drop it")
+        return None, None
+    if args.device_memory is None:
+        raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
+                            "(e.g. 80GiB)")
+    device_memory = parse_budget(args.device_memory, what="--device-memory")
+    setup = _setup(args)
+    budget = activation_budget(chain, setup, device_memory)
+    parameters = parameters_of(chain)
+    resident = setup.resident_bytes(parameters)
+    how = (f"device {render.describe_bytes(device_memory)} - resident {render.describe_bytes(resident)} "
+           f"for {parameters} parameters ({setup.describe()})")
+    extra = budget - (device_memory - resident)
+    if extra:
+        how += f" - {-extra} bytes of gradients beyond the chain's"
+    if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain):
+        how += (f"; the chain counts its fp32 gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
+                f"are {format_bytes(setup.gradient_bytes(parameters))}")
+    return budget, how
 
 
 def _channel(args, chain=None):
@@ -105,7 +167,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Profile (unless --chain), solve (unless --plan), and train a model by the "
                                             "plan, printing measured against predicted peak and time per step.")
     train.add_argument("spec", metavar="SPEC", help="a built-in model or path/to/file.py:factory, as for profile")
-    train.add_argument("--budget", metavar="B", help="memory budget as for solve (needed unless --plan is given)")
+    train.add_argument("--budget", metavar="B", help="memory budget as for solve (needed unless --plan is given); "
+                                                     "auto: what --device-memory leaves beside the fp32 parameters, "
+                                                     "gradients and Adam state this command trains with")
+    _add_setup_arguments(train, device_memory_only=True)
     train.add_argument("--solver", default="auto", metavar="NAME", help="solver (default: auto)")
     train.add_argument("--plan", metavar="PLAN.json", help="train by this plan instead of solving")
     train.add_argument("--chain", metavar="CHAIN.json", help="use this profile instead of profiling")
@@ -137,8 +202,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Find the fastest schedule of a chain or a graph within a memory budget.")
     solve.add_argument("chain", metavar="PROBLEM.json", help="chain (memsched.chain/1) or graph (memsched.graph/1) problem")
     solve.add_argument("--budget", required=True, metavar="B",
-                       help="memory budget: bytes (123456789), a unit (4GiB, 512MB) or a percentage of the "
-                            "store-all peak (50%%)")
+                       help="memory budget: bytes (123456789), a unit (4GiB, 512MB), a percentage of the "
+                            "store-all peak (50%%), or auto: what --device-memory leaves beside parameters, "
+                            "gradients and optimizer state (chains)")
+    _add_setup_arguments(solve)
     solve.add_argument("--solver", default="auto", metavar="NAME",
                        help=f"one of {', '.join(solvers.SOLVER_NAMES)} for a chain, "
                             f"{', '.join(GRAPH_SOLVER_NAMES)} for a graph (default: auto)")
@@ -190,6 +257,36 @@ def _parser() -> argparse.ArgumentParser:
                                    "chain's, if it has one)")
     pareto.add_argument("--plot", metavar="pareto.png", help="save overhead against budget as a PNG")
     pareto.set_defaults(command=_pareto)
+
+    memory = commands.add_parser("memory", help="per-device memory of parameters, gradients and optimizer state",
+                                 description="Per-device bytes of parameters, gradients, master copy and optimizer "
+                                             "state for an optimizer, a precision and a ZeRO stage, and the budget "
+                                             "that --device-memory leaves for the step (activations).")
+    memory.add_argument("model", metavar="SPEC|CHAIN.json",
+                        help="a built-in model or path/to/file.py:factory (built on fake tensors: nothing is "
+                             "allocated), or a chain profile (parameters: its param_bytes / 4)")
+    memory.add_argument("--batch", type=_at_least(1), metavar="N", help="SPEC: batch size")
+    _add_setup_arguments(memory)
+    memory.set_defaults(command=_memory)
+
+    partition = commands.add_parser("partition", help="split a chain across pipeline devices (1F1B or GPipe)",
+                                    description="The fastest contiguous split of a chain onto --devices pipeline "
+                                                "devices of --device-memory each, with each device's checkpoint "
+                                                "schedule, for --micro-batches per iteration (plan kind pipeline).")
+    partition.add_argument("chain", metavar="CHAIN.json", help="chain problem profiled at the micro-batch size")
+    partition.add_argument("--devices", type=_at_least(1), required=True, metavar="P", help="pipeline devices")
+    partition.add_argument("--micro-batches", type=_at_least(1), required=True, metavar="M",
+                           help="micro-batches per iteration")
+    partition.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                           help="1F1B holds P - s micro-batches on device s, GPipe all M (default: 1f1b)")
+    partition.add_argument("--bandwidth", metavar="RATE",
+                           help="device-to-device bandwidth for the boundary activations and gradients (default: "
+                                "free)")
+    partition.add_argument("--latency", type=float, metavar="SECONDS", help="fixed seconds per transfer (default: 0)")
+    partition.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
+    _add_setup_arguments(partition)
+    partition.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (memsched.plan/1)")
+    partition.set_defaults(command=_partition)
     return parser
 
 
@@ -245,6 +342,8 @@ def _train(args) -> None:
         return
     if args.time_limit is not None:
         raise MemschedError("--time-limit is for graph solvers: give it with --graph")
+    if args.plan and (args.device_memory is not None or args.budget == "auto"):
+        raise MemschedError("--budget auto and --device-memory size a budget to solve for: drop them with --plan")
     if args.plan:
         plan = load_plan(args.plan)
         chain = load_chain(args.chain) if args.chain else None
@@ -254,9 +353,12 @@ def _train(args) -> None:
         if not args.budget:
             raise MemschedError("train needs --budget (or a ready --plan)")
         chain = load_chain(args.chain) if args.chain else _profile_quietly(model, args.device)
-        budget = parse_budget(args.budget, solvers.store_all_peak(chain))
+        budget, how = _auto_budget(args, chain)
+        if budget is None:
+            budget = parse_budget(args.budget, solvers.store_all_peak(chain))
         plan = solvers.solve(chain, budget, args.solver, **_offload_params(args, chain, args.solver))
-        print("\n".join(render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)))
+        print("\n".join(([f"budget auto: {how}"] if how else []) +
+                        render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)))
     _train_chain(model, plan, chain, args.steps, args.device, args.lr)
 
 
@@ -294,6 +396,7 @@ def _train_graph(args, model) -> None:
 
     if args.chain:
         raise MemschedError("--chain is a chain profile; with --graph give a graph profile as --graph GRAPH.json")
+    _refuse_auto_for_graphs(args)
     if args.device != "cpu":
         model.stages = [(name, module.to(args.device)) for name, module in _named(model.stages)]
         model.example_inputs = _moved(model.example_inputs, args.device)
@@ -384,10 +487,20 @@ def _solve(args) -> None:
         raise MemschedError("--max-computations, --first-order, --backend and --gap are for graph problems "
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
-    budget = parse_budget(args.budget, solvers.store_all_peak(chain))
-    plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments, snapshots=args.snapshots,
-                         **_offload_params(args, chain, args.solver))
-    lines = render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)
+    budget, how = _auto_budget(args, chain)
+    if budget is None:
+        budget = parse_budget(args.budget, solvers.store_all_peak(chain))
+    try:
+        plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments,
+                             snapshots=args.snapshots, **_offload_params(args, chain, args.solver))
+    except MemschedError as exc:
+        if how and budget < minimum_budget(chain):
+            raise MemschedError(f"--budget auto leaves {render.describe_bytes(budget)}, below the minimum feasible "
+                                f"{render.describe_bytes(minimum_budget(chain))} for chain {chain.name!r} ({how}): "
+                                "use a device with more memory, more ranks or a higher ZeRO stage") from None
+        raise
+    lines = ([f"budget auto: {how}"] if how else []) + render.solve_summary(plan, args.solver,
+                                                         simulate(chain, plan) if plan.moves_data else None)
     if args.output:
         save_plan(plan, args.output)
         lines.append(f"plan written to {args.output}")
@@ -425,7 +538,16 @@ def _required_channel(args, chain, what: str):
     return channel
 
 
+def _refuse_auto_for_graphs(args) -> None:
+    given = [flag for flag, field in (("--device-memory", "device_memory"),) + _SETUP_FLAGS
+             if getattr(args, field, None) is not None]
+    if args.budget == "auto" or given:
+        raise MemschedError(f"{'--budget auto' if args.budget == 'auto' else given[0]} is for chain problems; a graph "
+                            "counts its parameters in fixed_bytes: give the graph's budget in bytes or as a percentage")
+
+
 def _solve_graph(args) -> None:
+    _refuse_auto_for_graphs(args)
     if args.slots is not None or args.segments is not None or args.snapshots is not None:
         raise MemschedError("--slots, --segments and --snapshots are for chain solvers; a graph takes "
                             "--time-limit, --max-computations and --first-order (moccasin), --backend and --gap "
@@ -485,6 +607,9 @@ def _show(args) -> None:
     if plan.kind == "graph" or args.graph:
         _show_graph(args, plan)
         return
+    if plan.kind == "pipeline":
+        _show_pipeline(args, plan)
+        return
     if args.plot and not args.chain:
         raise MemschedError("--plot draws the memory timeline, which needs the chain: add --chain CHAIN.json")
     plan = load_plan(args.plan)
@@ -498,6 +623,22 @@ def _show(args) -> None:
         if args.plot:
             plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan")
             lines.append(f"timeline plot written to {args.plot}")
+    print("\n".join(lines))
+
+
+def _show_pipeline(args, plan) -> None:
+    from planner.pipeline_simulator import simulate_pipeline
+    from planner.plan import check_pipeline_plan_matches
+
+    if args.plot:
+        raise MemschedError("--plot draws one device's memory timeline; a pipeline plan has one per device: show "
+                            "it without --plot")
+    lines = render.pipeline_lines(plan)
+    if args.chain:
+        chain = load_chain(args.chain)
+        check_pipeline_plan_matches(plan, chain, plan_where=args.plan)
+        result = simulate_pipeline(chain, plan)
+        lines += [""] + render.simulation_lines(plan, result)
     print("\n".join(lines))
 
 
@@ -560,3 +701,91 @@ def _overhead(chain, budget: int, solver: str, slots, channel=None):
     except MemschedError:
         return None
     return plan.predicted.overhead
+
+
+def _memory(args) -> None:
+    """``memory SPEC|CHAIN.json``: per-device bytes besides activations, and the step budget a device leaves."""
+    from planner.step_memory import ITEMS, activation_budget, parameters_of
+
+    setup = _setup(args)
+    device_memory = None if args.device_memory is None else parse_budget(args.device_memory, what="--device-memory")
+    if args.model.endswith(".json") and not _is_file_spec(args.model):
+        if args.batch is not None:
+            raise MemschedError("--batch builds a SPEC; a chain profile has its batch already")
+        chain = load_chain(args.model)
+        parameters = parameters_of(chain)
+        lines = [f"chain      {chain.name}: {parameters} trainable parameters (its param_bytes / 4: fp32 profile)"]
+    else:
+        chain, name, parameters = _estimated_chain(args.model, args.batch, device_memory is not None)
+        lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
+    per_parameter, sizes = setup.per_parameter(), setup.breakdown(parameters)
+    labels = {"params": "parameters", "grads": "gradients", "master": "fp32 master copy",
+              "optimizer": "optimizer state"}
+    lines += [f"setup      {setup.describe()}", "",
+              f"{'per device':<18} {'bytes/param':>11} {'bytes':>16} {'':>11}"]
+    for item in ITEMS:
+        lines.append(f"{labels[item]:<18} {per_parameter[item]:>11.6g} {sizes[item]:>16} "
+                     f"{format_bytes(sizes[item]):>11}")
+    resident = setup.resident_bytes(parameters)
+    total = resident + sizes["grads"]
+    lines += [f"{'resident':<18} {'':>11} {resident:>16} {format_bytes(resident):>11}   "
+              "parameters + master copy + optimizer state, before the step",
+              f"{'with gradients':<18} {'':>11} {total:>16} {format_bytes(total):>11}   "
+              "gradients are made by the step, inside its budget", ""]
+    if device_memory is None:
+        lines.append("give --device-memory (e.g. 80GiB) for the activation budget a device leaves")
+    else:
+        budget = activation_budget(chain, setup, device_memory)
+        if parameters_of(chain) != parameters:
+            lines.append(f"note       the estimated chain's param_bytes / 4 count {parameters_of(chain)} parameters "
+                         "(not an fp32 model?): the budget below is computed from those")
+        peak, least = solvers.store_all_peak(chain), minimum_budget(chain)
+        lines += [f"device     {render.describe_bytes(device_memory)}",
+                  f"budget     {render.describe_bytes(budget)} for the step: activations, temporaries and the "
+                  "chain's parameter gradients (memsched solve --budget auto)",
+                  f"step       store-all peak {render.describe_bytes(peak)}, least feasible "
+                  f"{render.describe_bytes(least)}: " + (
+                      "fits without recomputation" if peak <= budget else
+                      "fits with recomputation" if least <= budget else "does not fit even with recomputation")]
+    print("\n".join(lines))
+
+
+def _estimated_chain(spec: str, batch, with_chain: bool):
+    """``(chain, name, parameters)`` for a SPEC: the model built on fake tensors, its trainable parameters counted
+    once each, and (``with_chain``, else None) its chain estimated (sizes exact, nothing allocated)."""
+    import torch
+
+    from profiles.chain_profiler import profile_chain
+    from profiles.spec import load_model
+
+    model, _ = load_model(spec, batch=batch, estimate=True)
+    parameters = {id(p): p.numel() for _, module in _named(model.stages) if isinstance(module, torch.nn.Module)
+                  for p in module.parameters() if p.requires_grad}
+    chain = None if not with_chain else profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn,
+                                                      name=model.name, estimate=True, warmup=0, repeats=1)
+    return chain, model.name, sum(parameters.values())
+
+
+def _is_file_spec(text: str) -> bool:
+    return text.endswith(".py") or ".py:" in text
+
+
+def _partition(args) -> None:
+    from planner.transfer import parse_bandwidth
+    from solvers.partition import partition
+
+    if args.device_memory is None:
+        raise MemschedError("partition needs the memory of one device: give --device-memory (e.g. 80GiB)")
+    if args.latency is not None and not 0 <= args.latency < float("inf"):
+        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
+    chain = load_chain(args.chain)
+    memory = parse_budget(args.device_memory, what="--device-memory")
+    bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth)
+    plan = partition(chain, args.devices, memory, args.micro_batches, schedule=args.pipeline_schedule,
+                     bandwidth=bandwidth, latency=args.latency or 0.0, setup=_setup(args),
+                     **({} if args.slots is None else {"slots": args.slots}))
+    lines = render.pipeline_lines(plan, memory)
+    if args.output:
+        save_plan(plan, args.output)
+        lines.append(f"plan written to {args.output}")
+    print("\n".join(lines))

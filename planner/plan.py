@@ -27,6 +27,11 @@ The plan then records the ``transfer`` channel it was solved for
 A plan of kind ``graph`` schedules a graph problem (planner/graph.py) with
 :class:`GraphOp`: ``compute v`` runs node v, ``free v`` releases its value
 (the graph simulator, planner/graph_simulator.py, gives the rules).
+
+A plan of kind ``pipeline`` runs a chain on several devices (solvers/partition.py): instead of one
+``schedule`` it has a :class:`Pipeline`, with per device its stage range and its own chain schedule (stage
+indices of the whole chain; on a device other than the last, ``Loss`` is the arrival of the gradient of its
+last output from the next device). The pipeline simulator (planner/pipeline_simulator.py) gives the rules.
 """
 
 from dataclasses import dataclass, field
@@ -44,8 +49,11 @@ TRANSFER_OPS = ("Offload", "Release", "Prefetch")
 ITEMS = ("saved", "input", "weights", "grads")
 OPS = FORWARD_OPS + ("Loss", "B") + TRANSFER_OPS
 GRAPH_OPS = ("compute", "free")
-KINDS = ("chain", "graph")
-_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer")
+KINDS = ("chain", "graph", "pipeline")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline")
+_PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices")
+_DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
 
 
@@ -94,6 +102,40 @@ class Predicted:
 
 
 @dataclass(frozen=True)
+class PipelineDevice:
+    """One device of a pipeline plan: stages ``[first, last)``, its schedule (chain stage indices), and its
+    predicted peak bytes and seconds per micro-batch."""
+
+    first: int
+    last: int
+    schedule: tuple
+    peak_bytes: int
+    time: float
+
+    def to_dict(self) -> dict:
+        return {"first": self.first, "last": self.last, "schedule": [op.to_dict() for op in self.schedule],
+                "peak_bytes": self.peak_bytes, "time": self.time}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What a pipeline plan runs: the schedule name (``1f1b`` or ``gpipe``), micro-batches per iteration, the
+    activation channel between devices (bytes/s, or None for free transfers; seconds of latency), the training
+    setup (planner.step_memory.TrainingSetup's fields) and the devices in order."""
+
+    schedule: str
+    micro_batches: int
+    bandwidth: Optional[float]
+    latency: float
+    setup: dict
+    devices: tuple
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "micro_batches": self.micro_batches, "bandwidth": self.bandwidth,
+                "latency": self.latency, "setup": dict(self.setup), "devices": [d.to_dict() for d in self.devices]}
+
+
+@dataclass(frozen=True)
 class Plan:
     """A solved schedule for one problem, with the solver's identity and the simulator's prediction."""
 
@@ -109,6 +151,7 @@ class Plan:
     kind: str = "chain"
     gap: Optional[float] = None  # relative gap to the solver's bound, when it reports one (graph solvers)
     transfer: Optional[Transfer] = None  # the copy channel an offload plan was solved for
+    pipeline: Optional[Pipeline] = None  # the devices of a plan of kind "pipeline" (its schedule is empty)
 
     @property
     def moves_data(self) -> bool:
@@ -118,6 +161,9 @@ class Plan:
     @property
     def recomputed_forwards(self) -> int:
         """Forward operations beyond one per stage; on a graph plan, computations beyond one per node."""
+        if self.kind == "pipeline":
+            return sum(sum(op.kind in FORWARD_OPS for op in d.schedule) - (d.last - d.first)
+                       for d in self.pipeline.devices)
         if self.kind == "graph":
             computed = [op.node for op in self.schedule if op.kind == "compute"]
             return len(computed) - len(set(computed))
@@ -125,6 +171,16 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The ``memsched.plan/1`` JSON object."""
+        if self.kind == "pipeline":
+            return {**self._common_dict(), "pipeline": self.pipeline.to_dict()}
+        return {
+            **self._common_dict(),
+            "schedule": [op.to_dict() for op in self.schedule],
+            **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
+        }
+
+    def _common_dict(self) -> dict:
+        """Every field but the schedule (a pipeline plan's devices carry their own)."""
         return {
             "format": PLAN_FORMAT,
             "kind": self.kind,
@@ -134,8 +190,6 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "predicted": {"peak_bytes": self.predicted.peak_bytes, "time": self.predicted.time,
                           "baseline_time": self.predicted.baseline_time, "overhead": self.predicted.overhead},
-            "schedule": [op.to_dict() for op in self.schedule],
-            **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
         }
 
     @classmethod
@@ -145,7 +199,16 @@ class Plan:
         kind = validate.require(data, "kind", where)
         if kind not in KINDS:
             raise MemschedError(f"{where}: plan kind {kind!r} is not supported by this memsched "
-                                "(it reads 'chain' and 'graph' plans)")
+                                "(it reads 'chain', 'graph' and 'pipeline' plans)")
+        if kind == "pipeline":
+            if "schedule" in data or "transfer" in data:
+                extra = "schedule" if "schedule" in data else "transfer"
+                raise MemschedError(f"{where}: a plan of kind 'pipeline' has no top-level '{extra}'; its devices "
+                                    "carry their schedules (pipeline.devices[k].schedule)")
+            pipeline = _pipeline_from_dict(validate.require(data, "pipeline", where), f"{where}: pipeline")
+        elif "pipeline" in data:
+            raise MemschedError(f"{where}: only a plan of kind 'pipeline' has a 'pipeline' object, not one of "
+                                f"kind {kind!r}")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -177,10 +240,63 @@ class Plan:
                 baseline_time=validate.non_negative_seconds(
                     validate.require(predicted, "baseline_time", f"{where}: predicted"), f"{where}: predicted.baseline_time"),
             ),
-            schedule=(_graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
+            schedule=() if kind == "pipeline" else (_graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
                 validate.require(data, "schedule", where), f"{where}: schedule"),
+            pipeline=pipeline if kind == "pipeline" else None,
             transfer=None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer"),
         )
+
+
+def _pipeline_from_dict(raw, where: str) -> Pipeline:
+    """Validate a pipeline object: field types, devices contiguous from stage 0, each op on its device's stages."""
+    raw = _object(raw, where)
+    validate.reject_unknown(raw, _PIPELINE_FIELDS, where)
+    name = validate.require(raw, "schedule", where)
+    if name not in PIPELINE_SCHEDULES:
+        raise MemschedError(f"{where}.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {name!r}")
+    micro = _index(raw, "micro_batches", where)
+    if micro < 1:
+        raise MemschedError(f"{where}: micro_batches must be at least 1, got {micro}")
+    bandwidth = raw.get("bandwidth")
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                  or not 0 < bandwidth < float("inf")):
+        raise MemschedError(f"{where}.bandwidth must be bytes per second > 0, or null for free transfers, "
+                            f"got {bandwidth!r}")
+    latency = validate.non_negative_seconds(raw.get("latency", 0.0), f"{where}.latency")
+    setup = _object(validate.require(raw, "setup", where), f"{where}.setup")
+    try:
+        from planner.step_memory import TrainingSetup
+        TrainingSetup(**setup)
+    except TypeError as exc:
+        raise MemschedError(f"{where}.setup: {exc}; expected fields optimizer, precision, zero, dp") from None
+    except MemschedError as exc:
+        raise MemschedError(f"{where}.setup: {exc}") from None
+    devices_raw = validate.require(raw, "devices", where)
+    if not isinstance(devices_raw, list) or not devices_raw:
+        raise MemschedError(f"{where}.devices must be a non-empty list of device objects")
+    devices, start = [], 0
+    for s, item in enumerate(devices_raw):
+        here = f"{where}.devices[{s}]"
+        item = _object(item, here)
+        validate.reject_unknown(item, _DEVICE_FIELDS, here)
+        first, last = _index(item, "first", here), _index(item, "last", here)
+        if first != start or last <= first:
+            raise MemschedError(f"{here}: stages [{first}, {last}) must be a non-empty range starting at {start} "
+                                "(devices hold contiguous stages, in order, from stage 0)")
+        schedule = _schedule_from_list(validate.require(item, "schedule", here), f"{here}.schedule")
+        for k, op in enumerate(schedule):
+            if op.kind in TRANSFER_OPS:
+                raise MemschedError(f"{here}.schedule[{k}]: {op.kind} is not supported in a pipeline plan")
+            if op.stage is not None and not first <= op.stage < last:
+                raise MemschedError(f"{here}.schedule[{k}] ({op}): stage {op.stage} is not on this device "
+                                    f"(stages {first} to {last - 1})")
+        devices.append(PipelineDevice(
+            first=first, last=last, schedule=schedule,
+            peak_bytes=validate.non_negative_bytes(validate.require(item, "peak_bytes", here), f"{here}.peak_bytes"),
+            time=validate.non_negative_seconds(validate.require(item, "time", here), f"{here}.time")))
+        start = last
+    return Pipeline(schedule=name, micro_batches=micro, bandwidth=None if bandwidth is None else float(bandwidth),
+                    latency=float(latency), setup=dict(setup), devices=tuple(devices))
 
 
 def _gap(value, where: str):
@@ -252,7 +368,8 @@ def _graph_schedule_from_list(raw, where: str) -> tuple:
 
 def _check_kind(plan: Plan, kind: str, plan_where: str) -> None:
     if plan.kind != kind:
-        other = "graph (memsched.graph/1)" if plan.kind == "graph" else "chain (memsched.chain/1)"
+        other = {"graph": "graph (memsched.graph/1)", "pipeline": "pipeline of a chain (memsched.chain/1)"}.get(
+            plan.kind, "chain (memsched.chain/1)")
         raise MemschedError(f"{plan_where} is a plan of kind '{plan.kind}', for a {other}, not for a {kind}; "
                             f"give the {plan.kind} it was solved for, or solve this {kind}")
 
@@ -260,6 +377,17 @@ def _check_kind(plan: Plan, kind: str, plan_where: str) -> None:
 def check_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
     """Refuse to use ``plan`` on a chain other than the one it was solved for."""
     _check_kind(plan, "chain", plan_where)
+    actual = chain.fingerprint()
+    if plan.fingerprint != actual:
+        raise MemschedError(
+            f"{plan_where} was solved for chain '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
+            f"not for chain '{chain.name}' ({actual[:19]}…); solve again for this chain"
+        )
+
+
+def check_pipeline_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
+    """Refuse to use a pipeline ``plan`` on a chain other than the one it was solved for."""
+    _check_kind(plan, "pipeline", plan_where)
     actual = chain.fingerprint()
     if plan.fingerprint != actual:
         raise MemschedError(

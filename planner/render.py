@@ -291,3 +291,28 @@ def training_table(plan, measured, plain) -> list:
                  f"{peak / predicted.peak_bytes:.3f} of predicted), {seconds:.4f} s per step "
                  f"({seconds / plain_seconds - 1:+.1%} time, predicted {predicted.overhead:+.1%})")
     return lines
+
+
+def pipeline_lines(plan, device_memory: int = None) -> list:
+    """A pipeline plan (kind ``pipeline``): its schedule, iteration time, and per device the stages, the
+    checkpoint schedule in brief, seconds per micro-batch and peak bytes (against ``device_memory`` if given)."""
+    pipeline = plan.pipeline
+    setup = ", ".join(f"{key}={value}" for key, value in pipeline.setup.items())
+    channel = "free" if pipeline.bandwidth is None else f"{format_bytes(round(pipeline.bandwidth))}/s"
+    lines = [
+        f"pipeline   {plan.problem_name} on {len(pipeline.devices)} devices, {pipeline.schedule}, "
+        f"{pipeline.micro_batches} micro-batches; {setup}",
+        f"iteration  {format_seconds(plan.predicted.time)} predicted (no recomputation on this split: "
+        f"{format_seconds(plan.predicted.baseline_time)}); boundary transfers {channel}",
+        f"peak       {describe_bytes(plan.predicted.peak_bytes)} on the fullest device"
+        + ("" if device_memory is None else f", {format_percent(plan.predicted.peak_bytes / device_memory)} of "
+                                             f"{format_bytes(device_memory)}"),
+        f"solved in  {format_seconds(plan.solve_seconds)}, optimal: {'yes' if plan.optimal else 'no'}",
+        f"{'device':>6} {'stages':>9} {'s/micro-batch':>14} {'peak':>12}  schedule",
+    ]
+    for index, device in enumerate(pipeline.devices):
+        recomputed = sum(op.kind in FORWARD_OPS for op in device.schedule) - (device.last - device.first)
+        brief = "store-all" if recomputed == 0 else f"{recomputed} forwards recomputed"
+        lines.append(f"{index:>6} {f'{device.first}-{device.last - 1}':>9} {format_seconds(device.time):>14} "
+                     f"{format_bytes(device.peak_bytes):>12}  {brief}")
+    return lines

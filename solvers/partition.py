@@ -1,0 +1,411 @@
+"""Partition: the fastest contiguous split of a chain onto pipeline devices, with recomputation per device.
+
+Input: a chain profile (one micro-batch), ``P`` devices of ``memory`` bytes each, ``m`` micro-batches per
+iteration, the schedule (``1f1b`` or ``gpipe``), the activation channel between neighbouring devices
+(``bandwidth`` bytes/s and ``latency`` s; None: free) and the training setup
+(planner.step_memory.TrainingSetup: optimizer, precision, ZeRO stage, data-parallel ranks). Output: a plan of
+kind ``pipeline`` (planner/plan.py): per device its stages ``[first, last)`` and its own schedule.
+
+**Model** (planner/pipeline_simulator.py states it in full, and predicts every plan). Device ``s`` runs its
+stages as a standalone sub-chain (input: the activation it receives; loss: the chain's on the last device,
+else the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its
+schedule's compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
+``bytes / bandwidth + latency``). The iteration takes ``T = (m - 1) * max_s t_s + sum_s t_s`` for both
+schedules. Device ``s`` holds ``k_s`` micro-batches at once (``m`` for GPipe, ``min(m, P - s)`` for 1F1B) and
+peaks at ``static_s + (k_s - 1) * held_s + single_peak_s``, where ``static_s`` = parameters, master copy,
+optimizer state and gradients of its stages (the setup's ``resident_bytes + gradient_bytes``), ``held_s``
+what one micro-batch keeps between its forward and its backward and ``single_peak_s`` one micro-batch's peak.
+
+**A device's schedule for a candidate range** (:meth:`PartitionProblem.option`), for stages ``[a, b)`` at
+``k`` in-flight micro-batches:
+
+1. *store-all*, when its exact peak ``static + (k - 1) * held + single_peak`` fits: it is the fastest;
+2. else *recomputation* at the per-micro-batch allowance ``M = (memory - static) // k``: the faster of Rotor's
+   schedule for the sub-chain at budget ``M`` (solvers/rotor.py, ``slots`` units) and the least-memory
+   schedule (solvers/minimum.py), when ``M`` is at least the sub-chain's least memory. Every in-flight
+   micro-batch is counted at ``M`` (``k * M + static <= memory``): conservative, since a held micro-batch keeps
+   only its checkpoints, and it makes the choice independent of the other micro-batches. The plan's
+   predicted peak is the exact formula (at most ``static + k * M``).
+3. else the range does not fit at that position.
+
+Rotor's table over the whole chain is not reused for sub-chains: its entry ``opt[a, b, m]`` runs the
+forwards of ``a..b`` with ``δ_{b+1}`` already held and counts the parameter gradients of later stages, which
+a standalone sub-chain (no gradient before its loss, gradients counted statically) does not; so each
+candidate sub-chain is solved on its own, and only where needed (below).
+
+**Exact dynamic program.** ``T`` is not a sum, so the bottleneck ``β`` is enumerated over the sorted distinct
+finite ``t`` values; for each, a min-sum DP over (prefix, devices used) with every ``t_s <= β`` gives
+``(m - 1) * β + Σ``, and the best over ``β`` is the optimum (for ``β`` = the optimum's bottleneck the DP's sum
+is at most the optimum's; any DP solution has true ``T`` at most its bound). The DPs run in numpy batches of
+``β`` values, ascending, and stop once ``(m - 1) * β + Σ_unbounded`` exceeds the best found. Cost:
+``O(B * P * L^2)`` for ``B <= P * L^2 / 2`` candidate values (usually a few hundred are enough), plus the
+options: store-all figures and the least-memory schedule for each of the ``L (L + 1) / 2`` ranges, and
+Rotor for the ranges that need recomputation and may be optimal: a range with ``m * t_lower > T_upper`` is
+skipped exactly (``T >= m * t_s`` for every device), where ``t_lower`` is its store-all time and
+``T_upper`` the optimum with the least-memory schedule in place of Rotor's.
+
+**Infeasible**: a one-line :class:`MemschedError` with the smallest device memory that would fit (a min-max
+DP over each range's least requirement: store-all's exact peak or ``static + k * least_memory``).
+"""
+
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from planner.chain import Chain
+from planner.errors import MemschedError
+from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, in_flight, pipeline_time,
+                                        replay_local, sends, static_bytes, sub_chain, to_global)
+from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+from planner.step_memory import TrainingSetup
+from planner.units import format_bytes
+from solvers.extremes import store_all_schedule
+from solvers.minimum import least_memory_schedule, minimum_budget
+from solvers.rotor import DEFAULT_SLOTS, best_choice, compute_table, discretise, final_state_fits
+from solvers.rotor_model import build_schedule
+
+BATCH = 64  # β values per numpy batch
+SLACK = 1e-9  # relative: store-all's time bounds any schedule's from below up to float rounding
+
+
+class Option:
+    """A device's schedule for one range at one in-flight count: ``kind`` store_all | rotor | least_memory."""
+
+    __slots__ = ("kind", "local_schedule", "figures", "result")
+
+    def __init__(self, kind, local_schedule, figures, result):
+        self.kind, self.local_schedule, self.figures, self.result = kind, local_schedule, figures, result
+
+    @property
+    def time(self) -> float:
+        return self.result.time
+
+
+class PartitionProblem:
+    """The options of every stage range on every device of one pipeline problem (cached)."""
+
+    def __init__(self, chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",
+                 bandwidth=None, latency: float = 0.0, setup: TrainingSetup = None, slots: int = DEFAULT_SLOTS):
+        if schedule not in PIPELINE_SCHEDULES:
+            raise MemschedError(f"partition: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+        for value, what in ((devices, "devices"), (micro_batches, "micro_batches")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MemschedError(f"partition: {what} must be a whole number >= 1, got {value!r}")
+        if devices > chain.length:
+            raise MemschedError(f"partition: {devices} devices for chain '{chain.name}' of {chain.length} stages; "
+                                "each device needs at least one stage: use at most that many devices")
+        if schedule == "1f1b" and micro_batches < devices:
+            raise MemschedError(f"partition: 1F1B needs at least as many micro-batches as devices ({micro_batches} < "
+                                f"{devices}; PyTorch's Schedule1F1B refuses fewer): give more micro-batches, or the "
+                                "gpipe schedule")
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise MemschedError(f"partition: device memory must be a whole number of bytes >= 1, got {memory!r}")
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < float("inf"):
+            raise MemschedError(f"partition: latency must be a finite number of seconds >= 0, got {latency!r}")
+        if bandwidth is not None and not bandwidth > 0:
+            raise MemschedError(f"partition: bandwidth must be bytes per second > 0 (or None), got {bandwidth!r}")
+        self.chain, self.devices, self.memory, self.micro_batches = chain, devices, memory, micro_batches
+        self.schedule, self.bandwidth, self.latency = schedule, bandwidth, float(latency)
+        self.setup, self.slots = setup or TrainingSetup(), slots
+        self.length = chain.length
+        self.rotor_calls = 0
+        self._subs, self._least, self._rotors = {}, {}, {}
+
+    def k(self, device: int) -> int:
+        """In-flight micro-batches of ``device``."""
+        return in_flight(self.schedule, self.micro_batches, self.devices, device)
+
+    def positions(self):
+        """``(s, a, b)`` for every range ``[a, b)`` device ``s`` can hold (every device keeps a stage)."""
+        P, L = self.devices, self.length
+        for s in range(P):
+            for a in range(s, L - (P - 1 - s)):
+                for b in range(a + 1, L - (P - 1 - s) + 1):
+                    yield s, a, b
+
+    def sub(self, a: int, b: int):
+        """``(sub-chain, static bytes, (store-all schedule, its figures))`` of stages ``[a, b)``."""
+        if (a, b) not in self._subs:
+            chain = sub_chain(self.chain, a, b)
+            store = store_all_schedule(b - a)
+            self._subs[a, b] = chain, static_bytes(self.chain, a, b, self.setup), (store, replay_local(chain, store))
+        return self._subs[a, b]
+
+    def least(self, a: int, b: int):
+        """``(least memory of one micro-batch, its schedule, its figures)``."""
+        if (a, b) not in self._least:
+            chain = self.sub(a, b)[0]
+            schedule = least_memory_schedule(chain)
+            self._least[a, b] = minimum_budget(chain), schedule, replay_local(chain, schedule)
+        return self._least[a, b]
+
+    def _make(self, kind, a, b, k, schedule, figures) -> Option:
+        result = device_result(self.chain, a, b, schedule, k, self.setup, self.bandwidth, self.latency, figures,
+                               self.sub(a, b)[1])
+        return Option(kind, schedule, figures, result)
+
+    def lower_time(self, a: int, b: int) -> float:
+        """Seconds per micro-batch of store-all on ``[a, b)``: no schedule of it is faster."""
+        return self.sub(a, b)[2][1][0] + sends(self.chain, a, b, self.bandwidth, self.latency)
+
+    def store_all(self, a: int, b: int, k: int):
+        """The store-all option when it fits, else None."""
+        _, static, (schedule, figures) = self.sub(a, b)
+        if static + (k - 1) * figures[2] + figures[1] <= self.memory:
+            return self._make("store_all", a, b, k, schedule, figures)
+        return None
+
+    def allowance(self, a: int, b: int, k: int) -> int:
+        """``M = (memory - static) // k``: the bytes each in-flight micro-batch may use."""
+        return (self.memory - self.sub(a, b)[1]) // k
+
+    def least_option(self, a: int, b: int, k: int):
+        """The least-memory schedule at the allowance, when it fits, else None."""
+        need, schedule, figures = self.least(a, b)
+        if self.allowance(a, b, k) < need:
+            return None
+        return self._make("least_memory", a, b, k, schedule, figures)
+
+    def _rotor(self, a: int, b: int, budget: int):
+        """Rotor's schedule for ``[a, b)`` at ``budget`` bytes per micro-batch and its figures (cached)."""
+        if (a, b, budget) not in self._rotors:
+            chain = self.sub(a, b)[0]
+            self.rotor_calls += 1
+            self._rotors[a, b, budget] = _rotor_table_schedule(chain, budget, self.slots)
+        return self._rotors[a, b, budget]
+
+    def option(self, a: int, b: int, k: int):
+        """The device's schedule for ``[a, b)`` at ``k`` in flight (module docstring), or None if nothing fits."""
+        found = self.store_all(a, b, k)
+        if found is not None:
+            return found
+        least = self.least_option(a, b, k)
+        if least is None:
+            return None
+        found = self._rotor(a, b, self.allowance(a, b, k))
+        if found is None:
+            return least
+        found = self._make("rotor", a, b, k, *found)
+        return least if least.time < found.time else found
+
+    def requirement(self, a: int, b: int, k: int) -> int:
+        """The least device memory at which ``[a, b)`` fits with ``k`` in flight."""
+        _, static, (_, figures) = self.sub(a, b)
+        return min(static + (k - 1) * figures[2] + figures[1], static + k * self.least(a, b)[0])
+
+
+def _rotor_table_schedule(chain: Chain, budget: int, slots: int):
+    """Rotor's optimal schedule at ``budget`` bytes from its table at ``slots`` units (solvers/rotor.py), and its
+    figures; None when the discretised table has none. (``rotor()`` also checks every segment schedule in bytes,
+    which costs several times the table here and is left out: the least-memory schedule is the fallback.)"""
+    _, arrays, top = discretise(chain, budget, slots)
+    if top < 0 or not final_state_fits(arrays, top):
+        return None
+    opt = compute_table(arrays, top)
+    if not np.isfinite(opt[0, chain.length, top]):
+        return None
+    schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
+    figures = replay_local(chain, schedule)
+    assert figures[1] <= budget, "rotor's schedule above its budget"
+    return schedule, figures
+
+
+def _min_sum(times: np.ndarray, bounds: np.ndarray):
+    """For each bound β: the least left-to-right sum over partitions with every ``t_s <= β`` (inf if none), and
+    the argmin tables ``(K, P, L+1)`` to read the partition back."""
+    P, size, _ = times.shape
+    K = len(bounds)
+    f = np.full((K, size), np.inf)
+    f[:, 0] = 0.0
+    choices = np.empty((K, P, size), dtype=np.int64)
+    for s in range(P):
+        masked = np.where(times[s][None, :, :] <= bounds[:, None, None], times[s][None, :, :], np.inf)
+        total = f[:, :, None] + masked  # (K, a, b)
+        choices[:, s, :] = np.argmin(total, axis=1)
+        f = np.take_along_axis(total, choices[:, s, None, :], axis=1)[:, 0, :]
+    return f[:, -1], choices
+
+
+def _min_max(values: np.ndarray):
+    """Least over partitions of the largest ``values[s, a, b]``, and the partition."""
+    P, size, _ = values.shape
+    g = np.full(size, np.inf)
+    g[0] = -np.inf
+    choices = np.empty((P, size), dtype=np.int64)
+    for s in range(P):
+        total = np.maximum(g[:, None], values[s])
+        choices[s] = np.argmin(total, axis=0)
+        g = total[choices[s], np.arange(size)]
+    return g[-1], choices
+
+
+def _read_back(choices: np.ndarray, length: int) -> list:
+    """``[(a_s, b_s)]`` from argmin tables ``(P, L+1)``."""
+    bounds, b = [], length
+    for s in reversed(range(choices.shape[0])):
+        a = int(choices[s, b])
+        bounds.append((a, b))
+        b = a
+    return bounds[::-1]
+
+
+def best_partition(times: np.ndarray, micro_batches: int):
+    """``(T, [(a_s, b_s)])``: the least ``(m - 1) * max + sum`` over partitions for a table ``times[s, a, b]``
+    (inf: not allowed), or ``(inf, None)``."""
+    P, size, _ = times.shape
+    finite = np.unique(times[np.isfinite(times)])
+    if finite.size == 0:
+        return np.inf, None
+    bottleneck, _ = _min_max(times)
+    if not np.isfinite(bottleneck):
+        return np.inf, None
+    unbounded, _ = _min_sum(times, np.array([np.inf]))
+    candidates = finite[finite >= bottleneck]
+    best, best_parts = np.inf, None
+    for start in range(0, len(candidates), BATCH):
+        bounds = candidates[start:start + BATCH]
+        if (micro_batches - 1) * bounds[0] + unbounded[0] > best:
+            break
+        sums, choices = _min_sum(times, bounds)
+        totals = (micro_batches - 1) * bounds + sums
+        index = int(np.argmin(totals))
+        if totals[index] < best:
+            parts = _read_back(choices[index], size - 1)
+            # the partition's own T (its bottleneck may be below the bound): at most the bound's value
+            true = pipeline_time([float(times[s, a, b]) for s, (a, b) in enumerate(parts)], micro_batches)
+            if true < best:
+                best, best_parts = true, parts
+    return best, best_parts
+
+
+class PartitionSolution:
+    """What :func:`solve_partition` found: the partition, each device's option, and counters."""
+
+    def __init__(self, problem, parts, options, rotor_calls, seconds):
+        self.problem, self.parts, self.options = problem, parts, options
+        self.rotor_calls, self.seconds = rotor_calls, seconds
+
+    @property
+    def time(self) -> float:
+        return pipeline_time([o.time for o in self.options], self.problem.micro_batches)
+
+
+def least_device_memory(problem: PartitionProblem, store_all: bool = False) -> int:
+    """The smallest device memory at which some partition fits (``store_all``: with store-all on every device):
+    the least over partitions of the largest requirement (:meth:`PartitionProblem.requirement`)."""
+    P, size = problem.devices, problem.length + 1
+    need = np.full((P, size, size), np.inf)
+    for s, a, b in problem.positions():
+        k = problem.k(s)
+        if store_all:
+            _, static, (_, figures) = problem.sub(a, b)
+            need[s, a, b] = static + (k - 1) * figures[2] + figures[1]
+        else:
+            need[s, a, b] = problem.requirement(a, b, k)
+    smallest, _ = _min_max(need)
+    return int(smallest)
+
+
+def _infeasible(problem: PartitionProblem) -> MemschedError:
+    P = problem.devices
+    smallest = least_device_memory(problem)
+    chain = problem.chain
+    return MemschedError(
+        f"partition: no split of chain '{chain.name}' ({chain.length} stages) onto {P} devices fits "
+        f"{format_bytes(problem.memory)} ({problem.memory} bytes) per device with {problem.schedule} and "
+        f"{problem.micro_batches} micro-batches; the smallest device memory that fits is {format_bytes(smallest)} "
+        f"({smallest} bytes): raise it, or use more devices or fewer micro-batches")
+
+
+def _prefix_suffix(times: np.ndarray):
+    """``pre[s, a]``: least sum over devices ``0..s-1`` covering stages ``[0, a)``; ``suf[s, b]``: over devices
+    ``s+1..P-1`` covering ``[b, L)``."""
+    P, size, _ = times.shape
+    pre = np.full((P, size), np.inf)
+    suf = np.full((P, size), np.inf)
+    pre[0, 0] = 0.0
+    for s in range(1, P):
+        pre[s] = np.min(pre[s - 1][:, None] + times[s - 1], axis=0)
+    suf[P - 1, size - 1] = 0.0
+    for s in range(P - 2, -1, -1):
+        suf[s] = np.min(times[s + 1] + suf[s + 1][None, :], axis=1)
+    return pre, suf
+
+
+def solve_partition(problem: PartitionProblem) -> PartitionSolution:
+    """The exact optimum of the model (module docstring).
+
+    Rotor is run only where it may matter: every range starts with an upper bound (store-all when it fits, else
+    the least-memory schedule) and a lower bound (store-all's time); the DP's partition over the upper bounds
+    has its ranges solved exactly until it is made of exact options only (its ``T`` is then achievable); a
+    range whose ``m * t_lower`` plus the least sum of lower bounds of the devices before and after it exceeds
+    that ``T`` cannot be in an optimal partition (``T >= m * t_s + sum of the others``) and is dropped; every
+    other range is solved exactly, and the DP runs once more on exact times.
+    """
+    started = time.perf_counter()
+    P, L, m = problem.devices, problem.length, problem.micro_batches
+    size = L + 1
+    times = np.full((P, size, size), np.inf)  # exact where `exact`, else an upper bound
+    lower = np.full((P, size, size), np.inf)
+    exact = np.zeros((P, size, size), dtype=bool)
+    for s, a, b in problem.positions():
+        k = problem.k(s)
+        found = problem.store_all(a, b, k)
+        exact[s, a, b] = found is not None
+        if found is None:
+            found = problem.least_option(a, b, k)
+        if found is not None:
+            times[s, a, b] = found.time
+            lower[s, a, b] = problem.lower_time(a, b)
+        else:
+            exact[s, a, b] = True  # nothing fits: inf is exact
+    while True:
+        t_upper, parts = best_partition(times, m)
+        if not np.isfinite(t_upper):
+            raise _infeasible(problem)
+        pending = [(s, a, b) for s, (a, b) in enumerate(parts) if not exact[s, a, b]]
+        if not pending:
+            break
+        for s, a, b in pending:
+            times[s, a, b], exact[s, a, b] = problem.option(a, b, problem.k(s)).time, True
+    pre, suf = _prefix_suffix(lower)
+    bound = m * lower + pre[:, :, None] + suf[:, None, :]
+    for s, a, b in zip(*np.nonzero(~exact)):
+        s, a, b = int(s), int(a), int(b)
+        if bound[s, a, b] > t_upper * (1 + SLACK):
+            times[s, a, b] = np.inf  # never in an optimal partition
+        else:
+            times[s, a, b] = problem.option(a, b, problem.k(s)).time
+    _, parts = best_partition(times, m)
+    options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
+    return PartitionSolution(problem, parts, options, problem.rotor_calls, time.perf_counter() - started)
+
+
+def partition_plan(solution: PartitionSolution) -> Plan:
+    """The plan of kind ``pipeline`` for a solution; its figures are the pipeline simulator's."""
+    problem, chain = solution.problem, solution.problem.chain
+    devices = tuple(PipelineDevice(first=a, last=b, schedule=to_global(o.local_schedule, a),
+                                   peak_bytes=o.result.peak_bytes, time=o.result.time)
+                    for (a, b), o in zip(solution.parts, solution.options))
+    baseline = pipeline_time([sub_chain(chain, a, b).compute_time + sends(chain, a, b, problem.bandwidth,
+                                                                             problem.latency)
+                              for a, b in solution.parts], problem.micro_batches)
+    pipeline = Pipeline(schedule=problem.schedule, micro_batches=problem.micro_batches,
+                        bandwidth=None if problem.bandwidth is None else float(problem.bandwidth),
+                        latency=problem.latency, setup=asdict(problem.setup), devices=devices)
+    return Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition",
+                budget_bytes=problem.memory,
+                predicted=Predicted(peak_bytes=max(d.peak_bytes for d in devices), time=solution.time,
+                                    baseline_time=baseline),
+                schedule=(), params={"devices": problem.devices, "slots": problem.slots,
+                                     "options": [o.kind for o in solution.options]},
+                solve_seconds=solution.seconds, optimal=True, kind="pipeline", pipeline=pipeline)
+
+
+def partition(chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",
+              bandwidth=None, latency: float = 0.0, setup: TrainingSetup = None,
+              slots: int = DEFAULT_SLOTS) -> Plan:
+    """The fastest pipeline plan for ``chain`` on ``devices`` devices of ``memory`` bytes (module docstring)."""
+    problem = PartitionProblem(chain, devices, memory, micro_batches, schedule, bandwidth, latency, setup, slots)
+    return partition_plan(solve_partition(problem))

@@ -1,0 +1,43 @@
+"""`memsched partition` and `memsched show` on pipeline plans."""
+
+from pathlib import Path
+
+import cli
+from planner import load_chain, load_plan
+from planner.pipeline_simulator import simulate_pipeline
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "example-L24.chain.json"
+
+
+def run(capsys, *argv):
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_partition_writes_a_plan_that_show_replays(capsys, tmp_path):
+    plan_path = tmp_path / "pipeline.json"
+    status, out, err = run(capsys, "partition", EXAMPLE, "--devices", "4", "--micro-batches", "8",
+                           "--device-memory", "1GiB", "--bandwidth", "10GB/s", "-o", plan_path)
+    assert status == 0, err
+    assert "on 4 devices, 1f1b, 8 micro-batches" in out and out.count(" MiB  ") >= 4
+    plan = load_plan(plan_path)
+    assert plan.kind == "pipeline" and len(plan.pipeline.devices) == 4
+    result = simulate_pipeline(load_chain(EXAMPLE), plan)
+    assert (result.time, result.peak_bytes) == (plan.predicted.time, plan.predicted.peak_bytes)
+    assert result.peak_bytes <= 2**30
+    status, out, err = run(capsys, "show", plan_path, "--chain", EXAMPLE)
+    assert status == 0, err
+    assert "simulated  peak" in out and "note" not in out
+
+
+def test_partition_errors_are_one_line(capsys, tmp_path):
+    for argv, message in [
+        (["--devices", "2", "--micro-batches", "4"], "give --device-memory"),
+        (["--devices", "2", "--micro-batches", "4", "--device-memory", "1MiB"], "smallest device memory"),
+        (["--devices", "4", "--micro-batches", "2", "--device-memory", "1GiB"], "micro"),
+        (["--devices", "2", "--micro-batches", "4", "--device-memory", "1GiB", "--optimizer", "lion"], "optimizer"),
+    ]:
+        status, _, err = run(capsys, "partition", EXAMPLE, *argv)
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and message in lines[0], err
