@@ -31,16 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.chain import load_chain  # noqa: E402
+from bench.chains import bench_chains  # noqa: E402
+
 from planner.errors import MemschedError  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
 from planner.transfer import Transfer  # noqa: E402
-from profiles.synthetic import random_chain  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
 from solvers.offload import offload_all_policy  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "example-L24.chain.json"
 MODELS = ("gpt-tiny", "resnet-tiny", "mlp")
 
 
@@ -77,16 +76,7 @@ def ratio(value, reference) -> str:
 
 
 def chains(args):
-    yield load_chain(EXAMPLE)
-    for length in args.lengths:
-        yield random_chain(length, 1, tmp=True, params=True, own_saved=True, name=f"random-L{length}")
-    if args.models:
-        from profiles.chain_profiler import profile_chain
-        from profiles.spec import load_model
-
-        for spec in MODELS:
-            model, _ = load_model(spec)
-            yield profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, name=spec)
+    return bench_chains(args.lengths, MODELS if args.models else (), estimate=False)
 
 
 def simulated_table(args) -> None:

@@ -31,29 +31,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.chain import load_chain  # noqa: E402
+from bench.chains import bench_chains  # noqa: E402
+
 from planner.errors import MemschedError  # noqa: E402
 from planner.pipeline_simulator import pipeline_time  # noqa: E402
-from profiles.synthetic import random_chain  # noqa: E402
 from solvers.partition import PartitionProblem, _min_max, _read_back, least_device_memory, solve_partition  # noqa: E402
 from solvers.sqrt import segment_bounds  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "example-L24.chain.json"
 MODELS = ("gpt-tiny:layers=24,d=1024", "resnet-tiny:blocks=16,channels=64", "unet-tiny:levels=4,convs=2")
 
 
 def chains(args):
-    yield load_chain(EXAMPLE)
-    for length in args.lengths:
-        yield random_chain(length, 1, tmp=True, params=True, own_saved=True, name=f"random-L{length}")
-    if args.models:
-        from profiles.chain_profiler import profile_chain
-        from profiles.spec import load_model
-
-        for spec in MODELS:
-            model, _ = load_model(spec, estimate=True)
-            yield profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, name=spec,
-                                estimate=True, warmup=0, repeats=1)
+    return bench_chains(args.lengths, MODELS if args.models else (), estimate=True)
 
 
 def even_split(length: int, devices: int) -> list:
