@@ -35,7 +35,7 @@ from bench.chains import bench_chains  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
 from planner.pipeline_simulator import pipeline_time  # noqa: E402
-from solvers.partition import PartitionProblem, _min_max, _read_back, least_device_memory, solve_partition  # noqa: E402
+from solvers.partition import PartitionProblem, least_device_memory, min_max_partition, solve_partition  # noqa: E402
 from solvers.sqrt import segment_bounds  # noqa: E402
 
 MODELS = ("gpt-tiny:layers=24,d=1024", "resnet-tiny:blocks=16,channels=64", "unet-tiny:levels=4,convs=2")
@@ -60,8 +60,7 @@ def balance_by_time(chain, devices: int) -> list:
         for a in range(s, chain.length - (devices - 1 - s)):
             for b in range(a + 1, chain.length - (devices - 1 - s) + 1):
                 values[s, a, b] = block[a, b]
-    _, choices = _min_max(values)
-    return _read_back(choices, chain.length)
+    return min_max_partition(values)[1]
 
 
 def evaluate(problem, parts):

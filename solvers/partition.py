@@ -250,6 +250,13 @@ def _read_back(choices: np.ndarray, length: int) -> list:
     return bounds[::-1]
 
 
+def min_max_partition(values: np.ndarray):
+    """``(value, [(a_s, b_s), ...])``: the contiguous partition into ``values.shape[0]`` parts minimising the
+    largest ``values[s, a, b]`` (part ``s`` on stages ``[a, b)``), as torchgpipe's balance-by-time does."""
+    best, choices = _min_max(values)
+    return best, _read_back(choices, values.shape[1] - 1)
+
+
 def best_partition(times: np.ndarray, micro_batches: int):
     """``(T, [(a_s, b_s)])``: the least ``(m - 1) * max + sum`` over partitions for a table ``times[s, a, b]``
     (inf: not allowed), or ``(inf, None)``."""
