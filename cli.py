@@ -347,6 +347,9 @@ def _train(args) -> None:
     if args.plan:
         plan = load_plan(args.plan)
         chain = load_chain(args.chain) if args.chain else None
+        if plan.kind == "pipeline":
+            _train_pipeline(args, plan, chain)
+            return
         if chain is not None:
             check_plan_matches(plan, chain, plan_where=args.plan)
     else:
@@ -360,6 +363,22 @@ def _train(args) -> None:
         print("\n".join(([f"budget auto: {how}"] if how else []) +
                         render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)))
     _train_chain(model, plan, chain, args.steps, args.device, args.lr)
+
+
+def _train_pipeline(args, plan, chain) -> None:
+    """``train SPEC --plan pipeline.json``: one process per device (planner/pipeline.py); per rank, the last
+    step's measured peak against the plan's device peak minus its resident state."""
+    import functools
+
+    from planner.pipeline import run_pipeline, summary_lines
+    from profiles.memory import memory_meter
+    from profiles.spec import built_model
+
+    pipe = plan.pipeline
+    results = run_pipeline(functools.partial(built_model, args.spec, batch=args.batch), plan, args.steps,
+                           meter=memory_meter, device=args.device, lr=args.lr, chain=chain)
+    print("\n".join([f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
+                     f"{args.steps} steps on {args.device}"] + summary_lines(results)))
 
 
 def _demo(args) -> None:

@@ -295,6 +295,9 @@ def _pipeline_from_dict(raw, where: str) -> Pipeline:
             peak_bytes=validate.non_negative_bytes(validate.require(item, "peak_bytes", here), f"{here}.peak_bytes"),
             time=validate.non_negative_seconds(validate.require(item, "time", here), f"{here}.time")))
         start = last
+    if name == "1f1b" and micro < len(devices):
+        raise MemschedError(f"{where}: 1F1B needs at least as many micro-batches as devices ({micro} < "
+                            f"{len(devices)}); solve again with more micro-batches or the gpipe schedule")
     return Pipeline(schedule=name, micro_batches=micro, bandwidth=None if bandwidth is None else float(bandwidth),
                     latency=float(latency), setup=dict(setup), devices=tuple(devices))
 

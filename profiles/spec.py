@@ -96,3 +96,9 @@ def _as_model(built, name, spec):
 
 def _one_line(exc) -> str:
     return " ".join(str(exc).split())
+
+
+def built_model(spec: str, batch: int = None):
+    """The model of ``spec`` alone (module level, so that ``functools.partial(built_model, spec)`` can be sent to
+    worker processes)."""
+    return load_model(spec, batch=batch)[0]

@@ -126,6 +126,7 @@ def test_plan_round_trip_and_prediction(tmp_path):
 BAD = [
     (lambda d: d["pipeline"].update(schedule="zb"), "pipeline.schedule must be one of 1f1b, gpipe"),
     (lambda d: d["pipeline"].update(micro_batches=0), "micro_batches must be at least 1"),
+    (lambda d: d["pipeline"].update(schedule="1f1b", micro_batches=1), "1F1B needs at least as many micro-batches"),
     (lambda d: d["pipeline"].update(bandwidth=-1), "bandwidth must be bytes per second"),
     (lambda d: d["pipeline"].update(extra=1), "extra"),
     (lambda d: d["pipeline"]["setup"].update(optimizer="lion"), "pipeline.setup"),

@@ -1,0 +1,259 @@
+"""The pipeline executor (planner/pipeline.py): plans of kind ``pipeline`` from solvers/partition.py run on
+``torch.distributed.pipelining`` with 2 gloo processes on the CPU.
+
+Losses and parameter gradients equal single-process training of the same model on the same batch (the
+schedules scale gradients by 1/m; the loss is a mean, so the micro-batch mean equals the batch mean), for
+store-all devices and for a device that recomputes (planner/executor.py inside the stage). Measured peaks
+(the last step's window, parameter gradients allocated inside it) against the plan's device peak minus the
+resident parameters and optimizer state:
+
+* 1F1B, last rank: within 5%.
+* 1F1B, rank 0: ``measured = predicted - k * input (+ a_last)`` (to 0.1%): its ``k`` in-flight micro-batch
+  inputs are views of the whole batch, allocated before the window (the simulator counts them), and the
+  activation it sent for the previous micro-batch may still be held by its pending send at the peak (it
+  depends on when the send completes: both are seen).
+* GPipe: below the prediction (ratios about 0.74-0.85 here): besides the inputs (views of the batch on rank
+  0, PipelineStage's preallocated receive buffers on rank 1), its peak comes in the first micro-batch's
+  backward, before most parameter gradients exist, while the simulator puts all of them under the peak.
+
+Each run spawns 2 processes (5-15 s here).
+"""
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+
+from planner import MemschedError
+from planner.pipeline_simulator import in_flight
+from profiles.chain_profiler import profile_chain
+from profiles.memory import memory_meter
+from profiles.spec import built_model, load_model
+from solvers.partition import PartitionProblem, least_device_memory, partition
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with the gloo backend is not available in this PyTorch build")
+
+SPEC = "mlp:layers=8,width=64"
+MICRO, M = 64, 4
+
+
+@pytest.fixture(scope="module")
+def chain():
+    model, _ = load_model(SPEC, batch=MICRO)
+    return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
+                         name=model.name)
+
+
+def plan_for(chain, schedule, tight):
+    problem = PartitionProblem(chain, 2, 10 ** 12, M, schedule)
+    least, store_all = least_device_memory(problem), least_device_memory(problem, store_all=True)
+    assert least < store_all or not tight, "the test chain must leave room for a recomputing device"
+    memory = least + (store_all - least) * 3 // 10 if tight else 10 * store_all
+    return partition(chain, 2, memory, M, schedule)
+
+
+def single_process(spec, batch):
+    """Loss and gradients (by 'stage.parameter') of the whole batch in one process."""
+    model, _ = load_model(spec, batch=batch)
+    x = model.example_inputs[0]
+    for _, module in model.stages:
+        x = module(x)
+    loss = model.loss_fn(x)
+    loss.backward()
+    return float(loss.detach()), {f"{name}.{n}": p.grad for name, module in model.stages for n, p in module.named_parameters()}
+
+
+def check_training(results, spec, batch):
+    loss, grads = single_process(spec, batch)
+    merged = {}
+    for result in results:
+        merged.update(result.grads)
+    assert set(merged) == set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(merged[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert results[-1].losses and all(value == pytest.approx(loss, rel=1e-6) for value in results[-1].losses)
+    assert all(not r.losses for r in results[:-1])
+
+
+def model_of(spec, batch):
+    """A picklable factory of the model at ``batch`` (what the ranks build)."""
+    return functools.partial(built_model, spec, batch=batch)
+
+
+def run(plan, steps=2):
+    from planner.pipeline import run_pipeline
+
+    return run_pipeline(model_of(SPEC, M * MICRO), plan, steps, meter=memory_meter, return_grads=True, timeout=120)
+
+
+def assert_rank0_1f1b(rank0, chain, k):
+    """Rank 0 under 1F1B: the prediction less its k inputs (views of the batch, outside the window), plus the
+    previous micro-batch's sent activation when its send is still pending at the peak."""
+    base = rank0.predicted_window - k * chain.act_bytes(0)
+    sent = chain.act_bytes(rank0.last)
+    assert base * (1 - 1e-3) <= rank0.measured <= (base + sent) * (1 + 1e-3), (rank0.measured, base, sent)
+
+
+def check_1f1b_peaks(results, chain, plan):
+    rank0, last = results
+    assert last.measured == pytest.approx(last.predicted_window, rel=0.05)
+    k = in_flight("1f1b", M, 2, 0)
+    assert_rank0_1f1b(rank0, chain, k)
+    # The first step also allocates PipelineStage's receive buffers (m per direction), kept afterwards.
+    for r in results:
+        assert r.peaks[0] - r.peaks[-1] == pytest.approx(M * chain.act_bytes(r.last if r.rank == 0 else r.first),
+                                                         rel=0.05)
+
+
+def test_1f1b_store_all_equals_single_process(chain):
+    plan = plan_for(chain, "1f1b", tight=False)
+    assert all(op.kind == "F_all" for d in plan.pipeline.devices for op in d.schedule if op.kind.startswith("F"))
+    results = run(plan)
+    assert [r.recomputes for r in results] == [False, False]
+    check_training(results, SPEC, M * MICRO)
+    check_1f1b_peaks(results, chain, plan)
+
+
+def test_1f1b_recomputing_device_equals_single_process(chain):
+    plan = plan_for(chain, "1f1b", tight=True)
+    results = run(plan)
+    assert any(r.recomputes for r in results)
+    check_training(results, SPEC, M * MICRO)
+    check_1f1b_peaks(results, chain, plan)
+
+
+def test_gpipe_equals_single_process_and_stays_below_prediction(chain):
+    plan = plan_for(chain, "gpipe", tight=False)  # (GPipe holds all m micro-batches: no recomputing split fits less)
+    results = run(plan)
+    check_training(results, SPEC, M * MICRO)
+    for r in results:
+        assert 0.6 * r.predicted_window < r.measured <= r.predicted_window
+
+
+def test_cli_train_pipeline_plan(chain, tmp_path, capsys):
+    import cli
+    from planner import save_chain, save_plan
+
+    plan = plan_for(chain, "1f1b", tight=True)
+    save_plan(plan, tmp_path / "plan.json")
+    save_chain(chain, tmp_path / "chain.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["kind"] == "pipeline"
+    code = cli.main(["train", SPEC, "--plan", str(tmp_path / "plan.json"), "--chain", str(tmp_path / "chain.json"),
+                     "--batch", str(M * MICRO), "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("0", "1")]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert float(rows[1][-1]) == pytest.approx(single_process(SPEC, M * MICRO)[0], abs=2e-6)  # the last rank's loss
+
+
+def test_cli_refuses_a_batch_that_does_not_split(chain, tmp_path, capsys):
+    import cli
+    from planner import save_plan
+
+    save_plan(plan_for(chain, "1f1b", tight=False), tmp_path / "plan.json")
+    code = cli.main(["train", SPEC, "--plan", str(tmp_path / "plan.json"), "--batch", str(M * MICRO - 1)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "does not split into 4 equal micro-batches" in err and len(err.strip().splitlines()) == 1
+
+
+def test_refuses_1f1b_with_fewer_micro_batches_than_devices(chain):
+    from planner.pipeline import run_pipeline
+
+    plan = plan_for(chain, "1f1b", tight=False)
+    fewer = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, micro_batches=1))
+    with pytest.raises(MemschedError, match="at least as many micro-batches as devices"):
+        run_pipeline(model_of(SPEC, MICRO), fewer, 1, meter=memory_meter)
+
+
+class _FailsOnRank1(torch.nn.Module):
+    def forward(self, x):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            raise RuntimeError("stage broken on purpose")
+        return x * 1.0
+
+
+def failing_model():
+    """The mlp with a last stage that fails on rank 1 (module-level: the spawned ranks unpickle it)."""
+    model, _ = load_model(SPEC, batch=M * MICRO)
+    model.stages[-1] = (model.stages[-1][0], torch.nn.Sequential(model.stages[-1][1], _FailsOnRank1()))
+    return model
+
+
+def test_a_rank_that_dies_is_reported_in_one_line(chain):
+    from planner.pipeline import run_pipeline
+
+    plan = plan_for(chain, "1f1b", tight=False)
+    with pytest.raises(MemschedError) as caught:
+        run_pipeline(failing_model, plan, 1, meter=memory_meter, timeout=60)
+    message = str(caught.value)
+    assert message.startswith("pipeline rank 1 failed:") and "stage broken on purpose" in message
+    assert "\n" not in message
+
+
+GPT = "gpt-tiny:layers=2,d=32,heads=2,seq=16,vocab=64,dropout=0"  # no dropout: the same numbers in any order
+
+
+def test_gpt_tiny_integer_input_1f1b_equals_single_process():
+    from planner.pipeline import run_pipeline
+
+    micro = 2
+    model, _ = load_model(GPT, batch=micro)
+    gpt_chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
+                              name=model.name)
+    plan = partition(gpt_chain, 2, 10 ** 12, M, "1f1b")
+    results = run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
+    check_training(results, GPT, M * micro)
+    rank0, last = results
+    assert_rank0_1f1b(rank0, gpt_chain, in_flight("1f1b", M, 2, 0))
+    # The last rank: its received input sits in a preallocated buffer (not in the window), while the gradients
+    # of earlier micro-batches' inputs stay alive as the buffers' .grad until the next step (up to m - 1 more).
+    received = gpt_chain.act_bytes(last.first)
+    assert last.predicted_window - received <= last.measured <= last.predicted_window + (M - 1) * received
+
+
+class _HangsOnRank1(torch.nn.Module):
+    def forward(self, x):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            import time
+
+            time.sleep(60)
+        return x * 1.0
+
+
+def hanging_model():
+    model, _ = load_model(SPEC, batch=M * MICRO)
+    model.stages[-1] = (model.stages[-1][0], torch.nn.Sequential(model.stages[-1][1], _HangsOnRank1()))
+    return model
+
+
+def test_a_hung_run_times_out_and_leaves_no_process(chain):
+    import multiprocessing
+
+    from planner.pipeline import run_pipeline
+
+    plan = plan_for(chain, "1f1b", tight=False)
+    with pytest.raises(MemschedError, match=r"timed out after 8 s \(ranks \[.*1\] still running\)"):
+        run_pipeline(hanging_model, plan, 1, meter=memory_meter, timeout=8)
+    assert multiprocessing.active_children() == []
+
+
+SPEC16 = "mlp:layers=16,width=64"  # long enough that GPipe's m in-flight micro-batches leave room to recompute
+
+
+def test_gpipe_recomputing_devices_equal_single_process():
+    from planner.pipeline import run_pipeline
+
+    model, _ = load_model(SPEC16, batch=MICRO)
+    long_chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
+                               name=model.name)
+    plan = plan_for(long_chain, "gpipe", tight=True)
+    results = run_pipeline(model_of(SPEC16, M * MICRO), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
+    assert any(r.recomputes for r in results)
+    check_training(results, SPEC16, M * MICRO)
+    for r in results:
+        assert 0.6 * r.predicted_window < r.measured <= r.predicted_window
