@@ -131,16 +131,21 @@ def input_bytes(inputs) -> int:
 # Fixtures: each model built and profiled once for the module
 
 
-@pytest.fixture(scope="module")
-def small():
-    """``{model name: (model, chain, plain loss, plain gradients)}`` at the SMALL sizes."""
+def profiled_models(specs: dict) -> dict:
+    """``{model name: (model, chain, plain loss, plain gradients)}`` for ``{name: SPEC}``."""
     built = {}
-    for name, spec in SMALL.items():
+    for name, spec in specs.items():
         model, _ = load_model(spec)
         chain = profile(model)
         loss, reference = plain_step(model)
         built[name] = (model, chain, loss, reference)
     return built
+
+
+@pytest.fixture(scope="module")
+def small():
+    """``{model name: (model, chain, plain loss, plain gradients)}`` at the SMALL sizes."""
+    return profiled_models(SMALL)
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,8 @@ from planner.offload_simulator import OffloadSimulator
 from planner.plan import TRANSFER_OPS
 from planner.transfer import Transfer
 from profiles.memory import LiveMemoryTracker
-from profiles.spec import load_model
 from solvers import solve, store_all_peak
-from test_executor import FIDELITY, SEED, clear_grads, grads, input_bytes, plain_step, profile
+from test_executor import FIDELITY, SEED, clear_grads, grads, input_bytes, plain_step, profiled_models
 
 CHANNEL = Transfer(d2h_bandwidth=12e9, h2d_bandwidth=12e9, latency=1e-5)
 MODELS = ("mlp", "gpt-tiny", "resnet-tiny")
@@ -150,13 +149,7 @@ PLANS = {
 @pytest.fixture(scope="module")
 def models():
     """``{name: (model, chain, plain loss, plain grads)}``."""
-    built = {}
-    for name in MODELS:
-        model, _ = load_model(SPECS[name])
-        chain = profile(model)
-        loss, reference = plain_step(model)
-        built[name] = (model, chain, loss, reference)
-    return built
+    return profiled_models({name: SPECS[name] for name in MODELS})
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,10 +22,9 @@ from planner import MemschedError, Op, simulate
 from planner.executor import apply_plan
 from planner.offload_executor import fused_positions, host_weight_stages, live_copies
 from planner.plan import TRANSFER_OPS
-from profiles.spec import load_model
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
-from test_executor import SEED, SMALL, clear_grads, grads, parameters, plain_forward, plain_step, profile
+from test_executor import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
 from test_offload_executor import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
                                    store_all_offloaded, without_transfers)
 
@@ -102,13 +101,7 @@ PLANS = {  # name -> schedule from the chain
 @pytest.fixture(scope="module")
 def models():
     """``{name: (model, chain, plain loss, plain grads)}``; tests run on deep copies (a plan moves parameters)."""
-    built = {}
-    for name, spec in SPECS.items():
-        model, _ = load_model(spec)
-        chain = profile(model)
-        loss, reference = plain_step(model)
-        built[name] = (model, chain, loss, reference)
-    return built
+    return profiled_models(SPECS)
 
 
 @pytest.fixture(scope="module", autouse=True)
