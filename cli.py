@@ -130,11 +130,16 @@ def _channel(args, chain=None):
         if args.h2d_bandwidth is not None or args.latency is not None:
             raise MemschedError("--h2d-bandwidth and --latency describe a channel: give its --bandwidth too")
         return chain.transfer if chain is not None else None
-    if args.latency is not None and not 0 <= args.latency < float("inf"):
-        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
     d2h = parse_bandwidth(args.bandwidth)
     h2d = d2h if args.h2d_bandwidth is None else parse_bandwidth(args.h2d_bandwidth, "--h2d-bandwidth")
-    return Transfer(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=args.latency or 0.0)
+    return Transfer(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=_latency(args))
+
+
+def _latency(args) -> float:
+    """``--latency`` in seconds (0 when not given), refused in one line when negative or not finite."""
+    if args.latency is not None and not 0 <= args.latency < float("inf"):
+        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
+    return args.latency or 0.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -728,7 +733,7 @@ def _memory(args) -> None:
 
     setup = _setup(args)
     device_memory = None if args.device_memory is None else parse_budget(args.device_memory, what="--device-memory")
-    if args.model.endswith(".json") and not _is_file_spec(args.model):
+    if args.model.endswith(".json"):  # a SPEC names a .py file or a built-in model
         if args.batch is not None:
             raise MemschedError("--batch builds a SPEC; a chain profile has its batch already")
         chain = load_chain(args.model)
@@ -785,23 +790,18 @@ def _estimated_chain(spec: str, batch, with_chain: bool):
     return chain, model.name, sum(parameters.values())
 
 
-def _is_file_spec(text: str) -> bool:
-    return text.endswith(".py") or ".py:" in text
-
-
 def _partition(args) -> None:
     from planner.transfer import parse_bandwidth
     from solvers.partition import partition
 
     if args.device_memory is None:
         raise MemschedError("partition needs the memory of one device: give --device-memory (e.g. 80GiB)")
-    if args.latency is not None and not 0 <= args.latency < float("inf"):
-        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
+    latency = _latency(args)
     chain = load_chain(args.chain)
     memory = parse_budget(args.device_memory, what="--device-memory")
     bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth)
     plan = partition(chain, args.devices, memory, args.micro_batches, schedule=args.pipeline_schedule,
-                     bandwidth=bandwidth, latency=args.latency or 0.0, setup=_setup(args),
+                     bandwidth=bandwidth, latency=latency, setup=_setup(args),
                      **({} if args.slots is None else {"slots": args.slots}))
     lines = render.pipeline_lines(plan, memory)
     if args.output:

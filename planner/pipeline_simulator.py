@@ -157,6 +157,12 @@ def replay_local(sub: Chain, local_schedule) -> tuple:
     return result.time, result.peak_bytes, held
 
 
+def device_peak(static: int, k: int, held: int, single_peak: int) -> int:
+    """A device's peak bytes: its static bytes, ``k - 1`` micro-batches held between forward and backward, and
+    one micro-batch's step peak."""
+    return static + (k - 1) * held + single_peak
+
+
 def device_result(chain: Chain, first: int, last: int, local_schedule, k: int, setup: TrainingSetup,
                   bandwidth, latency: float, figures=None, static=None) -> DeviceResult:
     """A device's figures; ``figures`` (``replay_local``'s triple) and ``static`` when already known."""
@@ -165,7 +171,7 @@ def device_result(chain: Chain, first: int, last: int, local_schedule, k: int, s
     static = static_bytes(chain, first, last, setup) if static is None else static
     return DeviceResult(first=first, last=last, in_flight=k, static_bytes=static, held_bytes=held,
                         single_peak=single, compute=compute, transfer=sends(chain, first, last, bandwidth, latency),
-                        peak_bytes=static + (k - 1) * held + single)
+                        peak_bytes=device_peak(static, k, held, single))
 
 
 def to_local(schedule, first: int) -> tuple:

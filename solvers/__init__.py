@@ -14,6 +14,7 @@ held to the least memory of recomputation alone (offloading goes below it; an
 infeasible budget is refused by the solver with the least peak it reaches).
 """
 
+import dataclasses
 import time
 
 from planner.chain import Chain
@@ -131,15 +132,9 @@ def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, pa
     if result.peak_bytes > budget:  # the reserve bounds the weights; gradients leave before they pile up
         raise MemschedError(f"{inner.solver} with weights on the host peaks at {format_bytes(result.peak_bytes)}, "
                             f"above the budget {format_bytes(budget)}; raise the budget")
-    return Plan(
-        problem_name=chain.name,
-        fingerprint=chain.fingerprint(),
-        solver=inner.solver,
-        params={**inner.params, "weights": list(stages)},
-        solve_seconds=inner.solve_seconds + time.perf_counter() - started,
-        optimal=False,
-        budget_bytes=budget,
-        predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
-        schedule=schedule,
-        transfer=transfer,
-    )
+    return dataclasses.replace(
+        inner, params={**inner.params, "weights": list(stages)},
+        solve_seconds=inner.solve_seconds + time.perf_counter() - started, optimal=False, gap=None,
+        budget_bytes=budget, predicted=dataclasses.replace(inner.predicted, peak_bytes=result.peak_bytes,
+                                                           time=result.time),
+        schedule=schedule, transfer=transfer)

@@ -700,13 +700,14 @@ def exact_windows(problem: OffloadProblem, budget: int, time_limit: float, hint=
 
 # --- the solvers -------------------------------------------------------------------------------------------
 
-def _channel(chain: Chain, transfer) -> Transfer:
+def channel_of(chain: Chain, transfer, solver: str = "offload") -> Transfer:
+    """``transfer``, else the chain's copy channel; a one-line error naming ``solver`` when there is none."""
     channel = transfer if transfer is not None else chain.transfer
     if channel is None:
-        raise MemschedError(f"offload: chain '{chain.name}' has no copy channel; give one (transfer=, --bandwidth "
+        raise MemschedError(f"{solver}: chain '{chain.name}' has no copy channel; give one (transfer=, --bandwidth "
                             "16GB/s) or profile on CUDA")
     if not isinstance(channel, Transfer):
-        raise MemschedError(f"offload: transfer must be a planner.transfer.Transfer, got {type(channel).__name__}")
+        raise MemschedError(f"{solver}: transfer must be a planner.transfer.Transfer, got {type(channel).__name__}")
     return channel
 
 
@@ -729,7 +730,7 @@ def _infeasible(problem: OffloadProblem, budget: int, schedule) -> MemschedError
 
 def _prepare(chain, budget, transfer, schedule, schedule_budget):
     budget = _budget(budget)
-    channel = _channel(chain, transfer)
+    channel = channel_of(chain, transfer)
     ops = compute_schedule(chain, budget, schedule, schedule_budget)
     return budget, build_problem(chain, ops, channel)
 
@@ -805,7 +806,7 @@ def offload_all_policy(chain: Chain, budget: int = None, transfer: Transfer = No
                        schedule_budget: int = None) -> OffloadSolution:
     """The hand policy (module docstring): every saved activation offloaded, whatever the budget (used only to
     pick the rotor compute schedule); the caller judges its peak."""
-    channel = _channel(chain, transfer)
+    channel = channel_of(chain, transfer)
     ops = compute_schedule(chain, 0 if budget is None else _budget(budget), schedule, schedule_budget)
     problem = build_problem(chain, ops, channel)
     plan = build_schedule(problem, hand_windows(problem))

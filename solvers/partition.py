@@ -55,7 +55,7 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, in_flight, pipeline_time,
+from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_peak, device_result, in_flight, pipeline_time,
                                         replay_local, sends, static_bytes, sub_chain, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
 from planner.step_memory import TrainingSetup
@@ -152,7 +152,7 @@ class PartitionProblem:
     def store_all(self, a: int, b: int, k: int):
         """The store-all option when it fits, else None."""
         _, static, (schedule, figures) = self.sub(a, b)
-        if static + (k - 1) * figures[2] + figures[1] <= self.memory:
+        if device_peak(static, k, figures[2], figures[1]) <= self.memory:
             return self._make("store_all", a, b, k, schedule, figures)
         return None
 
@@ -192,7 +192,7 @@ class PartitionProblem:
     def requirement(self, a: int, b: int, k: int) -> int:
         """The least device memory at which ``[a, b)`` fits with ``k`` in flight."""
         _, static, (_, figures) = self.sub(a, b)
-        return min(static + (k - 1) * figures[2] + figures[1], static + k * self.least(a, b)[0])
+        return min(device_peak(static, k, figures[2], figures[1]), static + k * self.least(a, b)[0])
 
 
 def _rotor_table_schedule(chain: Chain, budget: int, slots: int):
@@ -307,7 +307,7 @@ def least_device_memory(problem: PartitionProblem, store_all: bool = False) -> i
         k = problem.k(s)
         if store_all:
             _, static, (_, figures) = problem.sub(a, b)
-            need[s, a, b] = static + (k - 1) * figures[2] + figures[1]
+            need[s, a, b] = device_peak(static, k, figures[2], figures[1])
         else:
             need[s, a, b] = problem.requirement(a, b, k)
     smallest, _ = _min_max(need)

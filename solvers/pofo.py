@@ -53,7 +53,7 @@ from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
-from solvers.offload import OffloadSolution, offload
+from solvers.offload import OffloadSolution, channel_of, offload
 from solvers.rotor import DEFAULT_SLOTS, discretise, final_state_fits, rotor
 from solvers.rotor_model import RotorArrays
 
@@ -208,15 +208,14 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
     """The fastest schedule of POFO's class (see the module docstring) whose peak fits ``budget`` at ``slots``
     discretisation, with copies over ``transfer`` (default: the chain's channel); then re-timed by the exact
     offload solver within ``time_limit`` seconds (0: not), the faster plan kept."""
-    transfer = transfer or chain.transfer
-    if transfer is None:
-        raise MemschedError("pofo: the chain has no copy channel; give one (transfer=, or --bandwidth 16GB/s)")
+    transfer = channel_of(chain, transfer, "pofo")
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 <= time_limit < math.inf:
         raise MemschedError(f"pofo: time_limit must be a number of seconds >= 0, got {time_limit!r}")
     params = {"slots": slots, "time_limit": time_limit}
     simulator = ChainSimulator(chain)
     store_all = store_all_schedule(chain.length)
-    if simulator.run(store_all).peak_bytes <= budget:
+    high = simulator.run(store_all).peak_bytes
+    if high <= budget:
         return OffloadSolution(store_all, params=params, optimal=True, transfer=transfer)
     unit, arrays, top = discretise(chain, budget, slots)
     found = None
@@ -225,15 +224,21 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
         if math.isfinite(tables.time[HELD_ALONE, 0, chain.length, top]):
             found = tuple(tables.schedule(0, chain.length, top, HELD_ALONE))
     optimal = found is not None
+    found_time = math.inf if found is None else _time(chain, found, transfer)
     try:
         plain = rotor(chain, budget, slots)
     except MemschedError:
         plain = None
-    if plain is not None and (found is None or simulator.run(plain.schedule).time <= _time(chain, found, transfer)):
+    plain_time = math.inf if plain is None else simulator.run(plain.schedule).time
+    if plain is not None and plain_time <= found_time:
         optimal = plain.optimal and (found is not None or not transfer.usable)
-        found = plain.schedule
-    if found is None and transfer.usable and time_limit > 0:
-        found = _below_recomputation(chain, budget, transfer, time_limit)
+        found, found_time = plain.schedule, plain_time
+    retiming = transfer.usable and time_limit > 0
+    if found is None and retiming:
+        # below the table's reach: Rotor's schedules for budgets a little above the least memory, and store-all
+        least = minimum_budget(chain)
+        tries = [("rotor", least + int(point * (high - least))) for point in BELOW_POINTS] + [("store_all", None)]
+        found = _fastest_offload(chain, budget, transfer, tries, time_limit)
         if found is not None:
             return OffloadSolution(found, params=params, optimal=False, transfer=transfer)
     if found is None:
@@ -242,52 +247,34 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
                  "and no offload plan found reaches it" if budget < least else "at this bandwidth")
         raise MemschedError(f"pofo: no schedule of recomputation and offloading fits {format_bytes(budget)} "
                             f"({budget} bytes) {where}; raise the budget or the bandwidth")
-    retimed = _retimed(chain, budget, transfer, found, time_limit) if transfer.usable and time_limit > 0 else None
-    if retimed is not None:
-        return OffloadSolution(retimed, params=params, optimal=False, transfer=transfer)
+    if retiming:
+        # re-timed: the copies placed freely on the same compute schedule, on store-all, and on Rotor's schedule
+        # for a budget halfway to the store-all peak
+        compute = tuple(op for op in found if op.kind not in TRANSFER_OPS)
+        tries = [(compute, None), ("store_all", None), ("rotor", (budget + high) // 2)]
+        retimed = _fastest_offload(chain, budget, transfer, tries, time_limit, than=found_time)
+        if retimed is not None:
+            return OffloadSolution(retimed, params=params, optimal=False, transfer=transfer)
     return OffloadSolution(found, params=params, optimal=optimal, transfer=transfer)
-
-
-def _retimed(chain: Chain, budget: int, transfer: Transfer, schedule, time_limit: float):
-    """A faster plan from the exact offload solver, on the same compute schedule (its transfers placed freely),
-    on the store-all schedule and on Rotor's for a budget halfway to the store-all peak, each given a third of
-    ``time_limit``; None when none is faster."""
-    best, best_time = None, _time(chain, schedule, transfer)
-    compute = tuple(op for op in schedule if op.kind not in TRANSFER_OPS)
-    halfway = (budget + ChainSimulator(chain).run(store_all_schedule(chain.length)).peak_bytes) // 2
-    for candidate, schedule_budget in ((compute, None), ("store_all", None), ("rotor", halfway)):
-        try:
-            solution = offload(chain, budget, transfer, schedule=candidate, schedule_budget=schedule_budget,
-                               time_limit=time_limit / 3)
-        except MemschedError:  # no offload plan of that schedule fits
-            continue
-        seconds = _time(chain, solution.schedule, transfer)
-        if seconds < best_time * (1 - 1e-12):
-            best, best_time = solution.schedule, seconds
-    return best
 
 
 BELOW_POINTS = (0.0, 0.02, 0.05, 0.1, 0.25)  # Rotor schedules tried below the table's reach, as fractions of the
 # way from the least memory to the store-all peak
 
 
-def _below_recomputation(chain: Chain, budget: int, transfer: Transfer, time_limit: float):
-    """Where the table has no schedule (below what recomputation with this class of offloads reaches): the
-    fastest exact offload plan within ``budget`` of Rotor's schedules for budgets a little above the least
-    memory (:data:`BELOW_POINTS`) and of the store-all schedule, each given an equal share of ``time_limit``;
-    None when none fits."""
-    least = minimum_budget(chain)
-    high = ChainSimulator(chain).run(store_all_schedule(chain.length)).peak_bytes
-    tries = [("rotor", least + int(point * (high - least))) for point in BELOW_POINTS] + [("store_all", None)]
-    best, best_time = None, math.inf
+def _fastest_offload(chain: Chain, budget: int, transfer: Transfer, tries, time_limit: float, than=math.inf):
+    """The fastest exact offload plan within ``budget`` over the compute schedules ``tries`` (``(schedule,
+    schedule_budget)`` pairs, as :func:`solvers.offload.offload` takes them), each given an equal share of
+    ``time_limit``, when it is faster than ``than`` seconds; else None."""
+    best, best_time = None, than
     for schedule, schedule_budget in tries:
         try:
             solution = offload(chain, budget, transfer, schedule=schedule, schedule_budget=schedule_budget,
                                time_limit=time_limit / len(tries))
-        except MemschedError:
+        except MemschedError:  # no offload plan of that schedule fits
             continue
         seconds = _time(chain, solution.schedule, transfer)
-        if seconds < best_time:
+        if seconds < best_time * (1 - 1e-12):
             best, best_time = solution.schedule, seconds
     return best
 
