@@ -23,7 +23,11 @@ input. Per stage, in seconds and bytes:
   until the step ends.
 
 The loss closes the chain: it reads ``a_L`` and produces ``δ_L`` in
-``loss.bwd_time`` seconds with ``loss.tmp_bytes`` transient bytes.
+``loss.bwd_time`` seconds with ``loss.tmp_bytes`` transient bytes; the
+optional ``loss.saved_bytes`` (inside ``tmp_bytes``) is what its forward
+leaves for its backward (the loss value and what it saves), which matters
+where the loss runs right after the forward and its backward later (a
+pipeline's last device).
 
 An optional ``transfer`` gives the device-host copy channel
 (:class:`planner.transfer.Transfer`) that offload plans use. It describes the
@@ -47,7 +51,7 @@ CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
                  "bwd_tmp_bytes", "param_bytes", "own_saved_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer")
-_LOSS_FIELDS = ("bwd_time", "tmp_bytes")
+_LOSS_FIELDS = ("bwd_time", "tmp_bytes", "saved_bytes")
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,17 @@ class Stage:
 
 @dataclass(frozen=True)
 class Loss:
-    """The loss at the end of the chain: its backward time and transient bytes."""
+    """The loss at the end of the chain: its backward time and transient bytes, and what its forward leaves for
+    its backward (the loss value and its saved tensors; part of ``tmp_bytes``)."""
 
     bwd_time: float = 0.0
     tmp_bytes: int = 0
+    saved_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        """The JSON object; ``saved_bytes`` only when not 0 (older chains read and hash as before)."""
+        return {"bwd_time": self.bwd_time, "tmp_bytes": self.tmp_bytes,
+                **({"saved_bytes": self.saved_bytes} if self.saved_bytes else {})}
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,7 @@ class Chain:
             "device": self.device,
             "input_bytes": self.input_bytes,
             "stages": [s.to_dict() for s in self.stages],
-            "loss": {"bwd_time": self.loss.bwd_time, "tmp_bytes": self.loss.tmp_bytes},
+            "loss": self.loss.to_dict(),
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
         }
 
@@ -199,6 +210,7 @@ def _loss_from_dict(raw, where: str) -> Loss:
     return Loss(
         bwd_time=validate.non_negative_seconds(raw.get("bwd_time", 0.0), f"{where}.bwd_time"),
         tmp_bytes=validate.non_negative_bytes(raw.get("tmp_bytes", 0), f"{where}.tmp_bytes"),
+        saved_bytes=validate.non_negative_bytes(raw.get("saved_bytes", 0), f"{where}.saved_bytes"),
     )
 
 

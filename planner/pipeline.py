@@ -14,28 +14,14 @@ gradients of the whole batch.
 
 Measured per rank and step: the activation peak, the live-memory tracker
 (:class:`profiles.memory.LiveMemoryTracker`) on CPU or ``max_memory_allocated`` minus the level at entry on
-CUDA, around ``schedule.step`` with the gradients ``None`` before, so the parameter gradients are allocated
-inside it. It is compared with the plan's per-device peak minus the resident parameters and optimizer state
-(``(k - 1) * held + single_peak + gradients``, planner/pipeline_simulator.py).
-``PipelineStage`` holds memory of its own that the model does not describe:
-
-* receive buffers, allocated at the first step and kept: ``m`` activation buffers (one per micro-batch) on
-  every rank but the first and ``m`` gradient buffers on every rank but the last. From the second step on
-  they are not allocated inside the window: the received ``a_first`` / ``δ_last`` the simulator counts as
-  step memory are then outside the measurement;
-* the gradient of each micro-batch's received input (``δ_first``) stays as the buffer's ``.grad`` until the
-  next step's start (``clear_runtime_states``): on ranks after the first, up to ``m - 1`` more of them are
-  alive than the simulator counts;
-* 1F1B's loop keeps the send operation of an earlier micro-batch's output (``a_last``) referenced after that
-  micro-batch's backward (seen on rank 0 of 2: one ``a_last`` more).
-
-And rank 0's micro-batch inputs are views of the whole batch, allocated before the window, where the simulator
-counts ``k`` of them. Measured on a CPU with gloo (mlp, 8 stages of 64 wide, micro-batches of 64, m = 4):
-1F1B later ranks within 0.2% of the prediction; 1F1B rank 0 of 2 exactly ``prediction - k * input + a_last``
-(to 8 bytes), 0.93-0.94 of it; GPipe 0.74-0.85 of it (its peak comes in the first micro-batch's backward, when
-most parameter gradients do not exist yet, while the simulator keeps all of them, as static memory, under the peak).
-
-:class:`RankResult` reports these byte counts beside the measured peak so the relation can be checked.
+CUDA, around ``schedule.step`` with the parameter gradients ``None`` and the stage's runtime state cleared
+before (what it kept of the previous step, which ``step`` itself frees first), so the gradients are allocated
+inside it and nothing is freed below the starting level. It is compared with the plan's device peak less what existed before the window: the
+resident parameters and optimizer state, and the step's buffers (planner/pipeline_simulator.py): the batch
+(rank 0) or ``PipelineStage``'s receive buffers (``m`` activations on every rank but the first, ``m``
+gradients on every rank but the last), allocated at the first step and kept. The measurement is of the last
+step (the first also allocates the receive buffers). :class:`RankResult` reports these byte counts beside
+the measured peak.
 
 Failures are one line (:class:`planner.errors.MemschedError`): a batch that does not split into the
 micro-batches, a plan that cannot run (1F1B with fewer micro-batches than devices), and a rank that dies
@@ -70,27 +56,21 @@ class RankResult:
     losses: list  # per step, mean of the micro-batch losses (last rank), else []
     peaks: list  # per step, measured activation peak (bytes)
     seconds: list  # per step, wall clock of schedule.step
-    predicted_peak: int  # the plan's device peak (static included)
+    predicted_peak: int  # the plan's device peak (resident state and buffers included)
     predicted_resident: int  # parameters, master copy, optimizer state: before the step, outside the window
-    gradient_bytes: int  # parameter gradients: static in the plan, but allocated inside the measured window
+    batch_bytes: int  # rank 0: the m micro-batch inputs (views of the batch), outside the window; else 0
     recv_buffer_bytes: int  # PipelineStage's receive buffers (activations and gradients), kept across steps
-    input_grad_bytes: int  # one micro-batch's δ_first (0 on rank 0)
-    input_bytes: int  # one micro-batch's received activation (0 on rank 0)
     grads: dict  # parameter name -> gradient after the first step (None unless asked for)
 
     @property
-    def predicted_static(self) -> int:
-        return self.predicted_resident + self.gradient_bytes
-
-    @property
-    def predicted_activation(self) -> int:
-        """The plan's peak minus its static part: ``(k - 1) * held + single_peak``."""
-        return self.predicted_peak - self.predicted_static
+    def buffer_bytes(self) -> int:
+        """The step's inputs and received gradients: the batch on rank 0, the receive buffers elsewhere."""
+        return self.batch_bytes + self.recv_buffer_bytes
 
     @property
     def predicted_window(self) -> int:
-        """What the measured window should see: the activation peak plus the parameter gradients (None before)."""
-        return self.predicted_peak - self.predicted_resident
+        """What the measured window should see: the plan's peak less the resident state and the buffers."""
+        return self.predicted_peak - self.predicted_resident - self.buffer_bytes
 
     @property
     def measured(self) -> int:
@@ -396,6 +376,7 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
     for _ in range(steps):
         for p in parameters:
             p.grad = None
+        stage.clear_runtime_states()  # what the engine kept of the last step: step() frees it first thing
         step_losses = []
         with meter(where) as window:
             start = window.current
@@ -414,30 +395,28 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
         if optimizer is not None:
             optimizer.step()
 
-    input_bytes = input_args.numel() * input_args.element_size() if rank > 0 else 0
+    input_bytes = input_args.numel() * input_args.element_size()
     output_bytes = output_args.numel() * output_args.element_size() if rank < world - 1 else 0
+    m = pipe.micro_batches
     return RankResult(rank=rank, first=first, last=last, recomputes=recomputes, losses=losses, peaks=peaks,
                       seconds=seconds, predicted_peak=device_plan.peak_bytes,
-                      **_static(plan, rank, built), recv_buffer_bytes=pipe.micro_batches *
-                      (input_bytes + output_bytes), input_grad_bytes=input_bytes if input_args.is_floating_point() else 0,
-                      input_bytes=input_bytes, grads=grads)
+                      predicted_resident=_resident(plan, rank, built), batch_bytes=m * input_bytes if rank == 0 else 0,
+                      recv_buffer_bytes=m * ((input_bytes if rank > 0 else 0) + output_bytes), grads=grads)
 
 
 def _unused_loss(output, target):  # the schedule wants a loss on every rank to run backwards; only the last uses it
     raise AssertionError("only the last stage computes the loss")
 
 
-def _static(plan, rank, built) -> dict:
-    """The static part of device ``rank``'s predicted peak: parameters, optimizer state and gradients of its
-    stages as planner/pipeline_simulator.py counts them (from the parameters' bytes, fp32 as in the chain)."""
+def _resident(plan, rank, built) -> int:
+    """Device ``rank``'s resident state as planner/pipeline_simulator.py counts it: parameters, master copy and
+    optimizer state of its stages (from the parameters' count, fp32 as in the chain)."""
     from planner.step_memory import TrainingSetup
 
     device = plan.pipeline.devices[rank]
-    setup = TrainingSetup(**plan.pipeline.setup)
     params = {id(p): p for _, module in built.stages[device.first:device.last] for p in module.parameters()
               if p.requires_grad}
-    parameters = sum(p.numel() for p in params.values())
-    return {"predicted_resident": setup.resident_bytes(parameters), "gradient_bytes": setup.gradient_bytes(parameters)}
+    return TrainingSetup(**plan.pipeline.setup).resident_bytes(sum(p.numel() for p in params.values()))
 
 
 def summary_lines(results) -> list:
@@ -452,6 +431,7 @@ def summary_lines(results) -> list:
                      f"{r.measured:>12,}  {r.predicted_window:>12,}  {ratio:>6.3f}  {r.peaks[0]:>12,}  "
                      f"{r.seconds[-1]:>8.4f}  {loss}")
     lines.append("measured: bytes allocated in the last step at its peak, parameter gradients included; predicted: the "
-                 "plan's device peak minus parameters and optimizer state; first step: also PipelineStage's receive "
-                 "buffers, allocated then and kept (m micro-batches each way)")
+                 "plan's device peak less parameters, optimizer state and the step's buffers (the batch on rank 0, "
+                 "PipelineStage's receive buffers elsewhere); first step: also the receive buffers, allocated then "
+                 "and kept")
     return lines

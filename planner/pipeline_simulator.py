@@ -1,38 +1,57 @@
 """The pipeline simulator: per-device peak memory and the iteration time of a pipeline plan.
 
 A pipeline runs a chain on ``P`` devices; device ``s`` (0-based) holds the contiguous stages ``[first_s,
-last_s)`` and every device processes ``m`` micro-batches per iteration. The chain profile describes **one
+last_s)`` and every device processes ``m`` micro-batches per iteration, in the order of PyTorch's schedules
+(``torch.distributed.pipelining``, which planner/pipeline.py runs). The chain profile describes **one
 micro-batch**. The model (docs/formats.md, "Pipelines"):
 
 **The device's sub-chain.** Device ``s`` runs a standalone chain (:func:`sub_chain`): its input is the
 activation it receives, ``a_first`` (for device 0 the model's input), its stages are the chain's
-``[first, last)`` with ``param_bytes`` set to 0, and its loss is the chain's on the last device; on the
-others it is a zero-time, zero-temporary "loss" whose gradient is ``δ_last`` received from the next device
-(the ``Loss`` operation of a non-last device's schedule *is* that arrival). Its schedule (store-all or a
-Rotor schedule) is replayed by the chain simulator (planner/simulator.py), which gives per micro-batch:
+``[first, last)``, and its loss is the chain's on the last device; on the others it is a zero-time,
+zero-temporary "loss" whose gradient is ``δ_last`` received from the next device (the ``Loss`` operation of
+a non-last device's schedule *is* that arrival). Its schedule (store-all or a Rotor schedule) is replayed by
+the chain simulator (planner/simulator.py) twice, without and with the parameter gradients, which gives per
+micro-batch (:class:`MicroBatch`, bytes above what the device holds for the whole step, as PyTorch's engine
+runs it: :func:`micro_batch`):
 
 * ``compute``: the schedule's seconds (forwards, recomputations, backwards, the loss on the last device);
-* ``single_peak``: the peak bytes of one micro-batch (its input, activations, gradients, temporaries);
-* ``held``: the bytes resident just before its ``Loss`` operation: what one micro-batch keeps on the device
-  between the end of its forward pass and the start of its backward pass (for store-all: the input plus
-  every stage's ``saved_bytes``; for a Rotor schedule its checkpoints and the last stage's ``ā``).
+* ``forward_peak``: the highest point of its forward operations (on the last device, also its loss's
+  forward, which the engine runs right after: ``loss.saved_bytes`` stay);
+* ``held``: what it keeps between the end of its forward pass and the start of its backward pass (store-all:
+  every stage's ``saved_bytes``; a Rotor schedule: its checkpoints and the last ``ā``; the loss's
+  ``saved_bytes`` on the last device);
+* ``backward_peak``: the highest point of its ``Loss`` and backward operations, the parameter gradients
+  existing already (a stage's ``bwd_tmp_bytes`` covers the gradient it adds to them);
+* ``first_backward_peak``: the same in the device's first backward of the step, where the parameter
+  gradients are made (each stage's, of the setup's size, from its ``B`` on).
 
-**Static memory.** Parameters, the fp32 master copy, the optimizer state and the parameter gradients (which
-accumulate over the micro-batches and live for the whole iteration) are resident: ``static =
-setup.resident_bytes(n) + setup.gradient_bytes(n)`` with ``n`` = parameters of the device's stages
-(``sum(param_bytes) / 4`` rounded up: planner.step_memory.parameters_of). This is why the sub-chain's
-``param_bytes`` are 0: they are counted here, once. (A stage's ``bwd_tmp_bytes`` covers the gradients it
-makes; those are then counted twice, a conservative over-count of at most one stage's gradients.)
+The engine keeps each micro-batch's output until its whole backward on the device has run: the last stage
+keeps its whole ``ā_last`` until its backward (:func:`sub_chain`), and the output is added at the backwards
+of earlier stages, less that stage's own output where its backward reads it (the replay counts that output
+to the end of the operation, while autograd frees it first thing).
 
-**In-flight micro-batches.** ``k_s = m`` for GPipe (all forwards, then all backwards) and
-``k_s = min(m, P - s)`` for 1F1B (PipeDream-Flush: device ``s`` starts ``P - s`` forwards before its first
-backward, then alternates). A device's peak is then::
+**What a device holds for the whole step** (:class:`DeviceState`). ``resident``: parameters, fp32 master copy
+and optimizer state (``setup.resident_bytes(n)``, ``n`` = parameters of its stages, ``sum(param_bytes) / 4``
+rounded up: planner.step_memory.parameters_of); ``buffers``: the ``m`` micro-batch inputs (device 0: the
+batch, split into views; the others: the engine's receive buffers, one per micro-batch) and, on devices
+before the last, the ``m`` receive buffers of ``δ_last``. So the sub-chain's input and received gradient are
+not counted again per micro-batch; a receive buffer is never freed early, so the first backward's peak keeps
+the received gradient.
 
-    peak_s = static_s + (k_s - 1) * held_s + single_peak_s
+**The step.** Device ``s`` starts ``k_s`` forwards before its first backward, ``k_s = m`` for GPipe (all
+forwards, then all backwards) and ``k_s = min(m, P - s)`` for 1F1B (PipeDream-Flush, PyTorch's
+``Schedule1F1B``: then one backward, one forward, and the remaining backwards). Walking that order
+(:func:`phase_order`), the device holds at each phase: its parameter gradients (``G`` once its first
+backward has run; forming inside it), ``held`` for each micro-batch between forward and backward, what the
+engine still references of finished micro-batches (:func:`retained`: tensors of pending sends and loop
+variables), and the running micro-batch at its phase's peak::
 
-the most micro-batches it holds between forward and backward at once, while one of them runs the step's
-peak. Received gradients are counted from their ``Loss`` (arrival) on; a send buffer is not modelled (the
-activation sent is part of the sending stage's ``saved_bytes`` anyway).
+    peak_s = resident_s + buffers_s + max over the phases of (those terms)
+
+(:func:`step_peak`). Measured on 2 gloo processes (tests/test_pipeline.py): 0.984-1.002 of the prediction
+per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices). It is high by up
+to one received gradient where a stage's backward holds its incoming gradient to its peak anyway (a
+residual block), its ``bwd_tmp_bytes`` then counting it already.
 
 **Time.** Per micro-batch, device ``s`` takes ``t_s = compute_s + send_s`` where ``send_s`` charges every
 boundary transfer to its *sender*: ``a_last`` forward to device ``s + 1`` (not on the last device) and
@@ -64,23 +83,59 @@ from planner.step_memory import TrainingSetup, parameters_of
 
 
 @dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch on a device: seconds, and bytes above what the device holds for the whole step."""
+
+    compute: float  # the schedule's seconds
+    forward_peak: int  # during its forward operations
+    held: int  # between its forward and its backward
+    backward_peak: int  # during its loss and backward operations, the parameter gradients existing
+    first_backward_peak: int  # the same when the device's parameter gradients are made in it (included)
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """What a device on stages ``[first, last)`` holds besides its micro-batches (bytes)."""
+
+    resident: int  # parameters, master copy, optimizer state
+    buffers: int  # m inputs, and m received gradients unless last
+    gradients: int  # the setup's parameter gradients, as the sub-chain makes them (each stage's rounded up)
+    input_gradient: int  # δ_first, sent back after each backward (0 on device 0: its input needs none)
+    output: int  # a_last, sent forward (the model's output on the last device)
+    loss_saved: int  # on the last device, what the loss's forward leaves until the backward; else 0
+    still_held: tuple  # per local stage: bytes of the output the engine still holds at its backward (micro_batch)
+    is_last: bool
+
+    @property
+    def engine_extra(self) -> int:
+        """The most the engine adds to any point of a micro-batch's replay (:func:`micro_batch`): the output
+        still held at a backward, or the loss's saved bytes."""
+        return max(max(self.still_held), self.loss_saved)
+
+
+@dataclass(frozen=True)
 class DeviceResult:
     """One device of a pipeline, per micro-batch (seconds) and in bytes."""
 
     first: int
     last: int  # exclusive
-    in_flight: int  # micro-batches held at once
-    static_bytes: int  # parameters, master copy, optimizer state, gradients
-    held_bytes: int  # one micro-batch between its forward and its backward
-    single_peak: int  # one micro-batch's step peak (its sub-chain's simulated peak)
-    compute: float  # the schedule's seconds
+    in_flight: int  # forwards before the first backward
+    resident_bytes: int  # parameters, master copy, optimizer state
+    buffer_bytes: int  # the step's m inputs and m received gradients
+    gradient_bytes: int  # parameter gradients, made in the first backward
+    micro: MicroBatch
+    step_peak: int  # above resident and buffers: gradients and micro-batches (step_peak)
     transfer: float  # boundary sends charged to this device
-    peak_bytes: int  # static + (in_flight - 1) * held + single_peak
+    peak_bytes: int  # resident + buffers + step_peak
+
+    @property
+    def compute(self) -> float:
+        return self.micro.compute
 
     @property
     def time(self) -> float:
         """Seconds per micro-batch: compute, then the sends."""
-        return self.compute + self.transfer
+        return self.micro.compute + self.transfer
 
 
 @dataclass(frozen=True)
@@ -93,12 +148,37 @@ class PipelineResult:
 
 
 def in_flight(schedule: str, micro_batches: int, devices: int, device: int) -> int:
-    """Micro-batches device ``device`` holds at once: ``m`` for GPipe, ``min(m, P - s)`` for 1F1B."""
+    """Forwards device ``device`` starts before its first backward: ``m`` for GPipe, ``min(m, P - s)`` for 1F1B."""
     if schedule == "gpipe":
         return micro_batches
     if schedule == "1f1b":
         return min(micro_batches, devices - device)
     raise MemschedError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+
+
+def phase_order(k: int, micro_batches: int) -> str:
+    """A device's phases in PyTorch's order, ``F`` (a micro-batch's forward) and ``B`` (its loss and backward),
+    micro-batches in order: ``k`` forwards, then one backward and one forward while forwards remain, then the
+    remaining backwards (GPipe is ``k = m``)."""
+    return "F" * k + "BF" * (micro_batches - k) + "B" * k
+
+
+def step_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
+    """The device's highest point above its resident state and buffers over one step (module docstring)."""
+    peak = held = done = 0
+    for phase in phase_order(k, micro_batches):
+        others = retained(schedule, phase, k, micro_batches, done, state)
+        if phase == "F":
+            peak = max(peak, others + held * micro.held + micro.forward_peak + (state.gradients if done else 0))
+            held += 1
+            continue
+        held -= 1
+        if done:
+            peak = max(peak, others + held * micro.held + micro.backward_peak + state.gradients)
+        else:
+            peak = max(peak, others + held * micro.held + micro.first_backward_peak)
+        done += 1
+    return peak
 
 
 def pipeline_time(times, micro_batches: int) -> float:
@@ -116,16 +196,26 @@ def transfer_seconds(nbytes: int, bandwidth, latency: float) -> float:
     return nbytes / bandwidth + latency
 
 
-def sub_chain(chain: Chain, first: int, last: int) -> Chain:
-    """Stages ``[first, last)`` as a standalone chain: input ``a_first``, ``param_bytes`` 0, and the chain's loss
-    when ``last`` is the chain's end, else a zero loss (its "gradient" is ``δ_last``, received)."""
+def sub_chain(chain: Chain, first: int, last: int, gradients: int = 0) -> Chain:
+    """Stages ``[first, last)`` as a standalone chain: input ``a_first``, the last stage keeping its whole
+    ``ā_last`` until its backward, the chain's loss when ``last`` is the chain's end, else a zero loss (its
+    "gradient" is ``δ_last``, received); ``param_bytes`` 0, or scaled to ``gradients`` bytes in all (each
+    rounded up) to make the parameter gradients in its backward."""
     if not 0 <= first < last <= chain.length:
         raise MemschedError(f"stage range [{first}, {last}) is not a non-empty range of chain '{chain.name}' "
                             f"({chain.length} stages)")
-    stages = tuple(dataclasses.replace(stage, param_bytes=0) for stage in chain.stages[first:last])
+    own = chain.stages[first:last]
+    stages = [dataclasses.replace(stage, param_bytes=scaled) for stage, scaled in zip(own, _scaled(own, gradients))]
+    stages[-1] = dataclasses.replace(stages[-1], own_saved_bytes=stages[-1].saved_bytes)
     loss = chain.loss if last == chain.length else Loss(0.0, 0)
     return Chain(name=f"{chain.name}[{first}:{last}]", device=chain.device, input_bytes=chain.act_bytes(first),
-                 stages=stages, loss=loss)
+                 stages=tuple(stages), loss=loss)
+
+
+def _scaled(stages, gradients: int) -> list:
+    """Each stage's ``param_bytes`` scaled to ``gradients`` bytes in all, rounded up (0 without parameters)."""
+    total = sum(stage.param_bytes for stage in stages)
+    return [-(-stage.param_bytes * gradients // total) if total else 0 for stage in stages]
 
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
@@ -133,10 +223,39 @@ def range_parameters(chain: Chain, first: int, last: int) -> int:
     return parameters_of(dataclasses.replace(chain, stages=chain.stages[first:last]))
 
 
-def static_bytes(chain: Chain, first: int, last: int, setup: TrainingSetup) -> int:
-    """Resident bytes of stages ``[first, last)``: parameters, master copy, optimizer state and gradients."""
+def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micro_batches: int) -> DeviceState:
+    """The step-long memory of a device on stages ``[first, last)`` (module docstring)."""
     parameters = range_parameters(chain, first, last)
-    return setup.resident_bytes(parameters) + setup.gradient_bytes(parameters)
+    is_last = last == chain.length
+    output = chain.act_bytes(last)
+    # The engine keeps the device's output a_last until the micro-batch's whole backward has run, where the replay
+    # frees it with the last stage's backward. At the backward of an earlier stage that reads its own output, the
+    # replay counts that output to the end of the operation while autograd frees it first thing: the two offset.
+    still_held = tuple(max(0, output - (stage.out_bytes if stage.own_saved_bytes == stage.saved_bytes else 0))
+                       for stage in chain.stages[first:last - 1]) + (0,)
+    return DeviceState(resident=setup.resident_bytes(parameters),
+                       buffers=micro_batches * (chain.act_bytes(first) + (0 if is_last else output)),
+                       gradients=sum(_scaled(chain.stages[first:last], setup.gradient_bytes(parameters))),
+                       input_gradient=chain.act_bytes(first) if first > 0 else 0, output=output,
+                       loss_saved=chain.loss.saved_bytes if is_last else 0, still_held=still_held, is_last=is_last)
+
+
+def retained(schedule: str, phase: str, k: int, micro_batches: int, done: int, state: DeviceState) -> int:
+    """Bytes of finished micro-batches the engine still references at a phase, ``done`` backwards in: GPipe
+    keeps every send's tensor until the step ends (``δ_first``, and ``a_last`` unless last); 1F1B keeps the
+    latest finished micro-batch's ``δ_first`` until the next backward ends, on the last device its output
+    until the next forward ends, and before the last device micro-batch ``k - 2``'s ``a_last`` (its warm-up
+    send) from its backward to the end of the steady phase (backward ``m - k``)."""
+    if schedule == "gpipe":
+        return done * (state.input_gradient + (0 if state.is_last else state.output))
+    if not done:
+        return 0
+    kept = state.input_gradient
+    if state.is_last and phase == "F":
+        kept += state.output
+    if not state.is_last and k - 1 <= done <= micro_batches - k:
+        kept += state.output
+    return kept
 
 
 def sends(chain: Chain, first: int, last: int, bandwidth, latency: float) -> float:
@@ -150,28 +269,86 @@ def sends(chain: Chain, first: int, last: int, bandwidth, latency: float) -> flo
     return seconds
 
 
-def replay_local(sub: Chain, local_schedule) -> tuple:
-    """``(compute seconds, single peak, held bytes)`` of a sub-chain schedule (local stage indices)."""
-    result = ChainSimulator(sub).run(local_schedule)
-    held = next(step.memory_before for step in result.timeline if step.op.kind == "Loss")
-    return result.time, result.peak_bytes, held
+def _phases(timeline, input_bytes: int, received: int, still_held: tuple) -> tuple:
+    """``(forward peak, held, backward peak)`` of a replayed sub-chain as the engine runs it: less its input
+    (always resident in the replay) and, from ``Loss`` until a backward runs, the received gradient
+    (``received`` bytes), both in the device's buffers; plus ``still_held[i]`` bytes at the backward of local
+    stage ``i`` (:func:`device_state`). The first backward's peak keeps the received gradient: the profile's
+    ``bwd_tmp_bytes`` were measured with the incoming gradient freed as autograd consumed it, which a receive
+    buffer never is."""
+    forward_peak = backward_peak = held = 0
+    backward = False
+    for step in timeline:
+        peak = step.peak - input_bytes
+        if step.op.kind == "Loss":
+            held, backward = step.memory_before - input_bytes, True
+            peak -= received
+        elif step.op.kind == "B":
+            peak += still_held[step.op.stage]
+        if backward:
+            backward_peak = max(backward_peak, peak)
+        else:
+            forward_peak = max(forward_peak, peak)
+    return forward_peak, held, backward_peak
 
 
-def device_peak(static: int, k: int, held: int, single_peak: int) -> int:
-    """A device's peak bytes: its static bytes, ``k - 1`` micro-batches held between forward and backward, and
-    one micro-batch's step peak."""
-    return static + (k - 1) * held + single_peak
+def sub_chains(chain: Chain, first: int, last: int, state: DeviceState) -> tuple:
+    """The device's sub-chain without and with its parameter gradients (what :func:`micro_batch` replays)."""
+    return sub_chain(chain, first, last), sub_chain(chain, first, last, state.gradients)
 
 
-def device_result(chain: Chain, first: int, last: int, local_schedule, k: int, setup: TrainingSetup,
-                  bandwidth, latency: float, figures=None, static=None) -> DeviceResult:
-    """A device's figures; ``figures`` (``replay_local``'s triple) and ``static`` when already known."""
-    compute, single, held = figures if figures is not None else replay_local(sub_chain(chain, first, last),
-                                                                            local_schedule)
-    static = static_bytes(chain, first, last, setup) if static is None else static
-    return DeviceResult(first=first, last=last, in_flight=k, static_bytes=static, held_bytes=held,
-                        single_peak=single, compute=compute, transfer=sends(chain, first, last, bandwidth, latency),
-                        peak_bytes=device_peak(static, k, held, single))
+def micro_batch(chain: Chain, first: int, last: int, local_schedule, state: DeviceState, subs=None) -> MicroBatch:
+    """One micro-batch of a device's schedule (local stage indices) on stages ``[first, last)``; ``subs``: its
+    :func:`sub_chains` when already built."""
+    input_bytes = chain.act_bytes(first)
+    received = chain.act_bytes(last) if last < chain.length else 0
+    without, with_gradients = subs or sub_chains(chain, first, last, state)
+    warm = ChainSimulator(without).run(local_schedule)
+    fresh = ChainSimulator(with_gradients).run(local_schedule)
+    forward_peak, held, backward_peak = _phases(warm.timeline, input_bytes, received, state.still_held)
+    first_backward_peak = _phases(fresh.timeline, input_bytes, received, state.still_held)[2]
+    held += state.loss_saved  # the engine runs the loss's forward at the end of the last device's forward phase
+    forward_peak = max(forward_peak, held)
+    return MicroBatch(compute=warm.time, forward_peak=forward_peak, held=held, backward_peak=backward_peak,
+                      first_backward_peak=first_backward_peak)
+
+
+def device_result(chain: Chain, first: int, last: int, local_schedule, schedule: str, k: int, micro_batches: int,
+                  setup: TrainingSetup, bandwidth, latency: float, micro: MicroBatch = None,
+                  state: DeviceState = None) -> DeviceResult:
+    """A device's figures under pipeline ``schedule``; ``micro`` and ``state`` when already known."""
+    state = device_state(chain, first, last, setup, micro_batches) if state is None else state
+    micro = micro_batch(chain, first, last, local_schedule, state) if micro is None else micro
+    peak = step_peak(micro, schedule, k, micro_batches, state)
+    return DeviceResult(first=first, last=last, in_flight=k, resident_bytes=state.resident,
+                        buffer_bytes=state.buffers, gradient_bytes=state.gradients, micro=micro, step_peak=peak,
+                        transfer=sends(chain, first, last, bandwidth, latency),
+                        peak_bytes=state.resident + state.buffers + peak)
+
+
+def fixed_bytes(schedule: str, micro_batches: int, state: DeviceState) -> int:
+    """An upper bound of a device's peak besides its micro-batches: resident state, buffers, gradients and the
+    most the engine retains of finished micro-batches (:func:`retained`)."""
+    if schedule == "gpipe":
+        most = (micro_batches - 1) * (state.input_gradient + (0 if state.is_last else state.output))
+    else:
+        most = state.input_gradient + state.output
+    return state.resident + state.buffers + state.gradients + most
+
+
+def recompute_allowance(memory: int, schedule: str, state: DeviceState, k: int, micro_batches: int,
+                        input_bytes: int) -> int:
+    """The sub-chain budget (bytes, its input included, as the chain simulator counts) at which any schedule of
+    the device fits ``memory``: at each phase at most ``k`` micro-batches are between their forward and the end
+    of their backward, each replayed below ``budget`` (the first backward's gradients are in ``fixed_bytes``),
+    so with the engine's additions ``fixed_bytes + k * (budget - input + engine_extra) <= memory``."""
+    return (memory - fixed_bytes(schedule, micro_batches, state)) // k + input_bytes - state.engine_extra
+
+
+def recompute_requirement(schedule: str, state: DeviceState, k: int, micro_batches: int, input_bytes: int,
+                          budget: int) -> int:
+    """The least device memory at which :func:`recompute_allowance` reaches ``budget``."""
+    return fixed_bytes(schedule, micro_batches, state) + k * (budget - input_bytes + state.engine_extra)
 
 
 def to_local(schedule, first: int) -> tuple:
@@ -199,8 +376,8 @@ def simulate_pipeline(chain: Chain, plan: Plan, setup: TrainingSetup = None) -> 
         k = in_flight(pipe.schedule, pipe.micro_batches, len(pipe.devices), s)
         local = to_local(device.schedule, device.first)
         try:
-            results.append(device_result(chain, device.first, device.last, local, k, setup, pipe.bandwidth,
-                                         pipe.latency))
+            results.append(device_result(chain, device.first, device.last, local, pipe.schedule, k,
+                                         pipe.micro_batches, setup, pipe.bandwidth, pipe.latency))
         except MemschedError as exc:
             raise MemschedError(f"pipeline plan: devices[{s}] (stages {device.first} to {device.last - 1}): {exc} "
                                 f"(stages numbered from the device's first, {device.first})") from None

@@ -195,19 +195,24 @@ class _Runner:
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
 
     def loss(self, loss_fn, last_stage, last_input, needs_grad, activation, gradient_bytes) -> Loss:
-        """Profile the loss and its backward: transient bytes above ``δ_L``, and seconds.
+        """Profile the loss and its backward: transient bytes above ``δ_L``, what its forward leaves, and seconds.
 
         As in ``loss_fn(model(x)).backward()``, the last stage's graph holds what it saved and nothing else
         holds the output: the last stage runs with autograd first, then the loss gets its output through an
-        identity that stops the gradient there (``δ_L`` is made, the stage's backward is not run).
+        identity that stops the gradient there (``δ_L`` is made, the stage's backward is not run). Then the
+        loss's forward alone with the output held, as a pipeline's last stage runs it: the bytes it leaves
+        (its value and saved tensors) are ``saved_bytes``.
         """
         source = torch.zeros((), requires_grad=True)  # made before the window opens: the real step has none
 
-        def measure(output):
-            value = loss_fn(_HandOver.hand(output.pop(), source))
+        def forward(output):
+            value = loss_fn(_HandOver.hand(output, source))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise MemschedError(f"the loss function must return a scalar tensor, got {type(value).__name__}")
-            torch.autograd.grad(value, [source], allow_unused=True)
+            return value
+
+        def measure(output):
+            torch.autograd.grad(forward(output.pop()), [source], allow_unused=True)
 
         with self._meter() as meter:
             with torch.enable_grad():
@@ -215,8 +220,15 @@ class _Runner:
             start = meter.current
             _guarded_loss(lambda: measure(output))
             peak = meter.peak - start
+        with self._meter() as meter:  # the loss's forward alone, its input still held (as a pipeline's last stage)
+            with torch.enable_grad():
+                output = last_stage(_fresh_input(last_input, needs_grad))
+            start = meter.current
+            value = _guarded_loss(lambda: forward(output))
+            saved = meter.current - start
+            del value, output
         seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: measure([activation]))))
-        return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes))
+        return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes), saved_bytes=max(0, saved))
 
     def _meter(self):
         return LiveMemoryTracker() if self.fake else memory_meter(self.device)

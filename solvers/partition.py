@@ -11,27 +11,28 @@ stages as a standalone sub-chain (input: the activation it receives; loss: the c
 else the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its
 schedule's compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
 ``bytes / bandwidth + latency``). The iteration takes ``T = (m - 1) * max_s t_s + sum_s t_s`` for both
-schedules. Device ``s`` holds ``k_s`` micro-batches at once (``m`` for GPipe, ``min(m, P - s)`` for 1F1B) and
-peaks at ``static_s + (k_s - 1) * held_s + single_peak_s``, where ``static_s`` = parameters, master copy,
-optimizer state and gradients of its stages (the setup's ``resident_bytes + gradient_bytes``), ``held_s``
-what one micro-batch keeps between its forward and its backward and ``single_peak_s`` one micro-batch's peak.
+schedules. Device ``s`` starts ``k_s`` forwards before its first backward (``m`` for GPipe, ``min(m, P - s)``
+for 1F1B) and its peak is found by walking its phases in PyTorch's order: its resident state and buffers
+(the ``m`` inputs and received gradients), its parameter gradients from its first backward on, each
+micro-batch held between forward and backward, each finished one's ``δ_first``, and the running phase's peak.
 
 **A device's schedule for a candidate range** (:meth:`PartitionProblem.option`), for stages ``[a, b)`` at
-``k`` in-flight micro-batches:
+``k`` forwards before the first backward:
 
-1. *store-all*, when its exact peak ``static + (k - 1) * held + single_peak`` fits: it is the fastest;
-2. else *recomputation* at the per-micro-batch allowance ``M = (memory - static) // k``: the faster of Rotor's
-   schedule for the sub-chain at budget ``M`` (solvers/rotor.py, ``slots`` units) and the least-memory
-   schedule (solvers/minimum.py), when ``M`` is at least the sub-chain's least memory. Every in-flight
-   micro-batch is counted at ``M`` (``k * M + static <= memory``): conservative, since a held micro-batch keeps
+1. *store-all*, when its exact peak fits: it is the fastest;
+2. else *recomputation* at the sub-chain allowance ``M`` (pipeline_simulator.recompute_allowance: ``k``
+   micro-batches at ``M``, the gradients and ``m - 1`` finished micro-batches on top of the resident state
+   and buffers fit): the faster of Rotor's schedule for the sub-chain at budget ``M`` (solvers/rotor.py,
+   ``slots`` units) and the least-memory schedule (solvers/minimum.py), when ``M`` is at least the sub-chain's
+   least memory. Counting every in-flight micro-batch at ``M`` is conservative, since a held micro-batch keeps
    only its checkpoints, and it makes the choice independent of the other micro-batches. The plan's
-   predicted peak is the exact formula (at most ``static + k * M``).
+   predicted peak is the exact walk (at most the bound).
 3. else the range does not fit at that position.
 
 Rotor's table over the whole chain is not reused for sub-chains: its entry ``opt[a, b, m]`` runs the
 forwards of ``a..b`` with ``δ_{b+1}`` already held and counts the parameter gradients of later stages, which
-a standalone sub-chain (no gradient before its loss, gradients counted statically) does not; so each
-candidate sub-chain is solved on its own, and only where needed (below).
+a standalone sub-chain (no gradient before its loss) does not; so each candidate sub-chain is solved on its
+own, and only where needed (below).
 
 **Exact dynamic program.** ``T`` is not a sum, so the bottleneck ``β`` is enumerated over the sorted distinct
 finite ``t`` values; for each, a min-sum DP over (prefix, devices used) with every ``t_s <= β`` gives
@@ -45,7 +46,8 @@ skipped exactly (``T >= m * t_s`` for every device), where ``t_lower`` is its st
 ``T_upper`` the optimum with the least-memory schedule in place of Rotor's.
 
 **Infeasible**: a one-line :class:`MemschedError` with the smallest device memory that would fit (a min-max
-DP over each range's least requirement: store-all's exact peak or ``static + k * least_memory``).
+DP over each range's least requirement: store-all's exact peak or where the allowance reaches the least
+memory).
 """
 
 import time
@@ -55,9 +57,11 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_peak, device_result, in_flight, pipeline_time,
-                                        replay_local, sends, static_bytes, sub_chain, to_global)
+from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, device_state, in_flight, micro_batch,
+                                        pipeline_time, recompute_allowance, recompute_requirement, sends, step_peak,
+                                        sub_chain, sub_chains, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
@@ -72,10 +76,10 @@ SLACK = 1e-9  # relative: store-all's time bounds any schedule's from below up t
 class Option:
     """A device's schedule for one range at one in-flight count: ``kind`` store_all | rotor | least_memory."""
 
-    __slots__ = ("kind", "local_schedule", "figures", "result")
+    __slots__ = ("kind", "local_schedule", "result")
 
-    def __init__(self, kind, local_schedule, figures, result):
-        self.kind, self.local_schedule, self.figures, self.result = kind, local_schedule, figures, result
+    def __init__(self, kind, local_schedule, result):
+        self.kind, self.local_schedule, self.result = kind, local_schedule, result
 
     @property
     def time(self) -> float:
@@ -110,7 +114,7 @@ class PartitionProblem:
         self.setup, self.slots = setup or TrainingSetup(), slots
         self.length = chain.length
         self.rotor_calls = 0
-        self._subs, self._least, self._rotors = {}, {}, {}
+        self._subs, self._least, self._rotors, self._store_peaks = {}, {}, {}, {}
 
     def k(self, device: int) -> int:
         """In-flight micro-batches of ``device``."""
@@ -125,54 +129,69 @@ class PartitionProblem:
                     yield s, a, b
 
     def sub(self, a: int, b: int):
-        """``(sub-chain, static bytes, (store-all schedule, its figures))`` of stages ``[a, b)``."""
+        """``(sub-chains without and with gradients, device state, (store-all schedule, its micro-batch))`` of
+        stages ``[a, b)``."""
         if (a, b) not in self._subs:
-            chain = sub_chain(self.chain, a, b)
+            state = device_state(self.chain, a, b, self.setup, self.micro_batches)
+            subs = sub_chains(self.chain, a, b, state)
             store = store_all_schedule(b - a)
-            self._subs[a, b] = chain, static_bytes(self.chain, a, b, self.setup), (store, replay_local(chain, store))
+            self._subs[a, b] = subs, state, (store, micro_batch(self.chain, a, b, store, state, subs))
         return self._subs[a, b]
 
+    def micro(self, a: int, b: int, schedule):
+        """The micro-batch of a schedule (local stage indices) of ``[a, b)``."""
+        subs, state, _ = self.sub(a, b)
+        return micro_batch(self.chain, a, b, schedule, state, subs)
+
     def least(self, a: int, b: int):
-        """``(least memory of one micro-batch, its schedule, its figures)``."""
+        """``(least memory of one micro-batch's sub-chain, its schedule, its micro-batch)``."""
         if (a, b) not in self._least:
-            chain = self.sub(a, b)[0]
+            chain = self.sub(a, b)[0][0]
             schedule = least_memory_schedule(chain)
-            self._least[a, b] = minimum_budget(chain), schedule, replay_local(chain, schedule)
+            self._least[a, b] = minimum_budget(chain), schedule, self.micro(a, b, schedule)
         return self._least[a, b]
 
-    def _make(self, kind, a, b, k, schedule, figures) -> Option:
-        result = device_result(self.chain, a, b, schedule, k, self.setup, self.bandwidth, self.latency, figures,
-                               self.sub(a, b)[1])
-        return Option(kind, schedule, figures, result)
+    def _make(self, kind, a, b, k, schedule, micro) -> Option:
+        result = device_result(self.chain, a, b, schedule, self.schedule, k, self.micro_batches, self.setup,
+                               self.bandwidth, self.latency, micro, self.sub(a, b)[1])
+        return Option(kind, schedule, result)
 
     def lower_time(self, a: int, b: int) -> float:
         """Seconds per micro-batch of store-all on ``[a, b)``: no schedule of it is faster."""
-        return self.sub(a, b)[2][1][0] + sends(self.chain, a, b, self.bandwidth, self.latency)
+        return self.sub(a, b)[2][1].compute + sends(self.chain, a, b, self.bandwidth, self.latency)
+
+    def store_all_peak(self, a: int, b: int, k: int) -> int:
+        """The device peak of store-all on ``[a, b)`` with ``k`` forwards before the first backward (cached)."""
+        if (a, b, k) not in self._store_peaks:
+            _, state, (_, micro) = self.sub(a, b)
+            self._store_peaks[a, b, k] = state.resident + state.buffers + step_peak(micro, self.schedule, k,
+                                                                                   self.micro_batches, state)
+        return self._store_peaks[a, b, k]
 
     def store_all(self, a: int, b: int, k: int):
         """The store-all option when it fits, else None."""
-        _, static, (schedule, figures) = self.sub(a, b)
-        if device_peak(static, k, figures[2], figures[1]) <= self.memory:
-            return self._make("store_all", a, b, k, schedule, figures)
+        if self.store_all_peak(a, b, k) <= self.memory:
+            return self._make("store_all", a, b, k, *self.sub(a, b)[2])
         return None
 
     def allowance(self, a: int, b: int, k: int) -> int:
-        """``M = (memory - static) // k``: the bytes each in-flight micro-batch may use."""
-        return (self.memory - self.sub(a, b)[1]) // k
+        """The sub-chain budget at which any schedule of ``[a, b)`` fits (pipeline_simulator.recompute_allowance)."""
+        return recompute_allowance(self.memory, self.schedule, self.sub(a, b)[1], k, self.micro_batches,
+                                   self.chain.act_bytes(a))
 
     def least_option(self, a: int, b: int, k: int):
         """The least-memory schedule at the allowance, when it fits, else None."""
-        need, schedule, figures = self.least(a, b)
+        need, schedule, micro = self.least(a, b)
         if self.allowance(a, b, k) < need:
             return None
-        return self._make("least_memory", a, b, k, schedule, figures)
+        return self._make("least_memory", a, b, k, schedule, micro)
 
     def _rotor(self, a: int, b: int, budget: int):
-        """Rotor's schedule for ``[a, b)`` at ``budget`` bytes per micro-batch and its figures (cached)."""
+        """Rotor's schedule for ``[a, b)`` at a sub-chain ``budget`` and its micro-batch (cached), or None."""
         if (a, b, budget) not in self._rotors:
-            chain = self.sub(a, b)[0]
             self.rotor_calls += 1
-            self._rotors[a, b, budget] = _rotor_table_schedule(chain, budget, self.slots)
+            schedule = _rotor_table_schedule(self.sub(a, b)[0][0], budget, self.slots)
+            self._rotors[a, b, budget] = None if schedule is None else (schedule, self.micro(a, b, schedule))
         return self._rotors[a, b, budget]
 
     def option(self, a: int, b: int, k: int):
@@ -190,15 +209,17 @@ class PartitionProblem:
         return least if least.time < found.time else found
 
     def requirement(self, a: int, b: int, k: int) -> int:
-        """The least device memory at which ``[a, b)`` fits with ``k`` in flight."""
-        _, static, (_, figures) = self.sub(a, b)
-        return min(device_peak(static, k, figures[2], figures[1]), static + k * self.least(a, b)[0])
+        """The least device memory at which ``[a, b)`` fits with ``k`` forwards before the first backward: the
+        store-all peak, or where the allowance reaches the least memory (the inverse of ``allowance``)."""
+        least = recompute_requirement(self.schedule, self.sub(a, b)[1], k, self.micro_batches, self.chain.act_bytes(a),
+                                      self.least(a, b)[0])
+        return min(self.store_all_peak(a, b, k), least)
 
 
 def _rotor_table_schedule(chain: Chain, budget: int, slots: int):
-    """Rotor's optimal schedule at ``budget`` bytes from its table at ``slots`` units (solvers/rotor.py), and its
-    figures; None when the discretised table has none. (``rotor()`` also checks every segment schedule in bytes,
-    which costs several times the table here and is left out: the least-memory schedule is the fallback.)"""
+    """Rotor's optimal schedule at ``budget`` bytes from its table at ``slots`` units (solvers/rotor.py); None
+    when the discretised table has none. (``rotor()`` also checks every segment schedule in bytes, which costs
+    several times the table here and is left out: the least-memory schedule is the fallback.)"""
     _, arrays, top = discretise(chain, budget, slots)
     if top < 0 or not final_state_fits(arrays, top):
         return None
@@ -206,9 +227,8 @@ def _rotor_table_schedule(chain: Chain, budget: int, slots: int):
     if not np.isfinite(opt[0, chain.length, top]):
         return None
     schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
-    figures = replay_local(chain, schedule)
-    assert figures[1] <= budget, "rotor's schedule above its budget"
-    return schedule, figures
+    assert ChainSimulator(chain).run(schedule).peak_bytes <= budget, "rotor's schedule above its budget"
+    return schedule
 
 
 def _min_sum(times: np.ndarray, bounds: np.ndarray):
@@ -306,8 +326,7 @@ def least_device_memory(problem: PartitionProblem, store_all: bool = False) -> i
     for s, a, b in problem.positions():
         k = problem.k(s)
         if store_all:
-            _, static, (_, figures) = problem.sub(a, b)
-            need[s, a, b] = device_peak(static, k, figures[2], figures[1])
+            need[s, a, b] = problem.store_all_peak(a, b, k)
         else:
             need[s, a, b] = problem.requirement(a, b, k)
     smallest, _ = _min_max(need)

@@ -113,6 +113,16 @@ def test_partial_loss_defaults():
     assert Chain.from_dict(data).loss == Loss()
 
 
+def test_loss_saved_bytes_is_optional_and_written_only_when_set():
+    data = base_chain()
+    data["loss"]["saved_bytes"] = 24
+    chain = Chain.from_dict(data)
+    assert chain.loss.saved_bytes == 24 and chain.to_dict()["loss"] == data["loss"]
+    assert chain.fingerprint() != Chain.from_dict(base_chain()).fingerprint()
+    data["loss"]["saved_bytes"] = 0  # the default: left out, so older chains read, write and hash as before
+    assert Chain.from_dict(data).to_dict()["loss"] == BASE_CHAIN["loss"]
+
+
 def test_integral_float_bytes_accepted(tmp_path):
     data = base_chain()
     data["input_bytes"] = 5e5
@@ -179,6 +189,7 @@ INVALID_CHAINS = [
     pytest.param(_set("stages", 1, "saved_bytes", float("inf")), ["stages[1]", "conv2", "saved_bytes"], id="inf-bytes"),
     pytest.param(_set("loss", "bwd_time", float("nan")), ["loss", "bwd_time"], id="nan-loss-bwd_time"),
     pytest.param(_set("loss", "tmp_bytes", -3), ["loss", "tmp_bytes", "-3"], id="negative-loss-tmp_bytes"),
+    pytest.param(_set("loss", "saved_bytes", -1), ["loss", "saved_bytes", "-1"], id="negative-loss-saved_bytes"),
     pytest.param(_set("stages", 1, "saved_bytes", 1.5), ["stages[1]", "conv2", "saved_bytes", "1.5"],
                  id="fractional-bytes"),
     pytest.param(_set("input_bytes", 1000.5), ["input_bytes", "1000.5"], id="fractional-input_bytes"),

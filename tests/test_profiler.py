@@ -26,7 +26,7 @@ def profile(model, **options):
 
 def sizes(chain):
     return ([(s.out_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes, s.param_bytes) for s in chain.stages],
-            chain.input_bytes, chain.loss.tmp_bytes)
+            chain.input_bytes, chain.loss.tmp_bytes, chain.loss.saved_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,15 @@ def test_estimates_equal_measurements_to_the_byte(profiles, spec):
     # FLOPs / throughput: a lookup (the embedding) counts no FLOPs, matrix products do.
     assert all(s.fwd_time >= 0 and s.bwd_time >= 0 for s in estimate.stages)
     assert max(s.fwd_time for s in estimate.stages) > 0 and estimate.compute_time > 0
+
+
+@pytest.mark.parametrize("spec", SIZES)
+def test_loss_saved_bytes_are_what_its_forward_leaves(profiles, spec):
+    """Cross-entropy leaves its log-softmax (the logits' size, saved for its backward) and two scalars (the loss
+    and the total weight); a pipeline's last stage holds them from its forward to its backward."""
+    _, chain = profiles[spec]
+    assert chain.loss.saved_bytes == chain.stages[-1].out_bytes + 8
+    assert chain.loss.saved_bytes <= chain.loss.tmp_bytes + chain.stages[-1].out_bytes
 
 
 def test_stage_names_and_parameter_bytes_come_from_the_model(profiles):
