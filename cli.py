@@ -662,7 +662,7 @@ def _show_pipeline(args, plan) -> None:
         chain = load_chain(args.chain)
         check_pipeline_plan_matches(plan, chain, plan_where=args.plan)
         result = simulate_pipeline(chain, plan)
-        lines += [""] + render.simulation_lines(plan, result)
+        lines += [""] + render.simulation_lines(plan, result) + [""] + render.pipeline_memory_lines(result)
     print("\n".join(lines))
 
 
@@ -791,6 +791,7 @@ def _estimated_chain(spec: str, batch, with_chain: bool):
 
 
 def _partition(args) -> None:
+    from planner.pipeline_simulator import simulate_pipeline
     from planner.transfer import parse_bandwidth
     from solvers.partition import partition
 
@@ -803,7 +804,7 @@ def _partition(args) -> None:
     plan = partition(chain, args.devices, memory, args.micro_batches, schedule=args.pipeline_schedule,
                      bandwidth=bandwidth, latency=latency, setup=_setup(args),
                      **({} if args.slots is None else {"slots": args.slots}))
-    lines = render.pipeline_lines(plan, memory)
+    lines = render.pipeline_lines(plan, memory) + [""] + render.pipeline_memory_lines(simulate_pipeline(chain, plan))
     if args.output:
         save_plan(plan, args.output)
         lines.append(f"plan written to {args.output}")

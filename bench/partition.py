@@ -17,7 +17,7 @@ some partition fits with store-all on every device (when the two are equal, a po
   the bubble;
 
 where each hand partition's devices use store-all when it fits and otherwise the recomputation schedule the
-DP would give that range (Rotor at the allowance, pipeline_simulator.recompute_allowance, or the least-memory schedule);
+DP would give that range (the faster of Rotor's and the least-memory schedule whose exact device peak fits);
 ``-`` when some device does not fit even so. The columns ``even/dp`` and ``time/dp`` are the ratios (above 1:
 slower than the DP). Training setup: Adam in fp32, no ZeRO (16 bytes per parameter with the gradients).
 """

@@ -69,8 +69,15 @@ from planner.stages import named_stages
 from planner.plan import FORWARD_OPS, TRANSFER_OPS, Op, Plan, check_plan_matches
 
 
-def apply_plan(stages, plan: Plan, chain=None) -> "PlannedChain":
-    """A module running ``stages`` by ``plan``; with ``chain`` the plan's fingerprint and stage names are checked."""
+def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedChain":
+    """A module running ``stages`` by ``plan``; with ``chain`` the plan's fingerprint and stage names are checked.
+
+    ``fuse=False`` runs every stage's backward as its own autograd call, never one for several stages: each
+    stage's parameter gradients are then added into ``.grad`` before the next stage's are made, as the chain
+    model's ``B`` counts them. A fused graph makes all its stages' gradients first, which costs nothing more
+    when ``.grad`` is empty (they become it) but holds them beside ``.grad`` when gradients accumulate over
+    several backwards (a pipeline's micro-batches). Plans with transfers always fuse as their executor decides.
+    """
     pairs = named_stages(stages)
     if plan.moves_data and plan.transfer is None:
         raise MemschedError("the plan moves data between device and host but records no copy channel "
@@ -85,13 +92,13 @@ def apply_plan(stages, plan: Plan, chain=None) -> "PlannedChain":
             mismatch = next(k for k, (a, b) in enumerate(zip(names, expected)) if a != b)
             raise MemschedError(f"stage {mismatch} is named {names[mismatch]!r} but the plan's chain calls it "
                                 f"{expected[mismatch]!r}; apply the plan to the model it was solved for")
-    return PlannedChain(pairs, plan)
+    return PlannedChain(pairs, plan, fuse)
 
 
 class PlannedChain(torch.nn.Module):
     """The stages, run by a plan. ``forward(a_0, *extra)`` returns the last stage's output."""
 
-    def __init__(self, pairs, plan: Plan):
+    def __init__(self, pairs, plan: Plan, fuse: bool = True):
         super().__init__()
         self.stage_names = [name for name, _ in pairs]
         self.stages = torch.nn.ModuleList([module for _, module in pairs])
@@ -109,7 +116,7 @@ class PlannedChain(torch.nn.Module):
             if "planner.offload_executor" in sys.modules:  # parameters an earlier plan kept on the host: back
                 sys.modules["planner.offload_executor"].prepare_host_weights([module for _, module in pairs], ())
             self.host_weights = {}
-            self.continued, self.absorbed = _fused_positions(plan.schedule)
+            self.continued, self.absorbed = _fused_positions(plan.schedule) if fuse else (set(), set())
             self.run_type = _Run
         # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):
         # the loops below skip it, so a fused graph costs one operation's bookkeeping, as in a plain step.

@@ -349,7 +349,7 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
     modules = [module for _, module in pairs[first:last]]
     recomputes = device_recomputes(device_plan)
     if recomputes:
-        stage_module = apply_plan(pairs[first:last], local_plan(plan, device_plan))
+        stage_module = apply_plan(pairs[first:last], local_plan(plan, device_plan), fuse=False)
     else:
         stage_module = _Range(modules)
     stage = PipelineStage(stage_module, rank, world, where, input_args=input_args, output_args=output_args)

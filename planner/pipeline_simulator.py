@@ -106,11 +106,6 @@ class DeviceState:
     still_held: tuple  # per local stage: bytes of the output the engine still holds at its backward (micro_batch)
     is_last: bool
 
-    @property
-    def engine_extra(self) -> int:
-        """The most the engine adds to any point of a micro-batch's replay (:func:`micro_batch`): the output
-        still held at a backward, or the loss's saved bytes."""
-        return max(max(self.still_held), self.loss_saved)
 
 
 @dataclass(frozen=True)
@@ -324,31 +319,6 @@ def device_result(chain: Chain, first: int, last: int, local_schedule, schedule:
                         buffer_bytes=state.buffers, gradient_bytes=state.gradients, micro=micro, step_peak=peak,
                         transfer=sends(chain, first, last, bandwidth, latency),
                         peak_bytes=state.resident + state.buffers + peak)
-
-
-def fixed_bytes(schedule: str, micro_batches: int, state: DeviceState) -> int:
-    """An upper bound of a device's peak besides its micro-batches: resident state, buffers, gradients and the
-    most the engine retains of finished micro-batches (:func:`retained`)."""
-    if schedule == "gpipe":
-        most = (micro_batches - 1) * (state.input_gradient + (0 if state.is_last else state.output))
-    else:
-        most = state.input_gradient + state.output
-    return state.resident + state.buffers + state.gradients + most
-
-
-def recompute_allowance(memory: int, schedule: str, state: DeviceState, k: int, micro_batches: int,
-                        input_bytes: int) -> int:
-    """The sub-chain budget (bytes, its input included, as the chain simulator counts) at which any schedule of
-    the device fits ``memory``: at each phase at most ``k`` micro-batches are between their forward and the end
-    of their backward, each replayed below ``budget`` (the first backward's gradients are in ``fixed_bytes``),
-    so with the engine's additions ``fixed_bytes + k * (budget - input + engine_extra) <= memory``."""
-    return (memory - fixed_bytes(schedule, micro_batches, state)) // k + input_bytes - state.engine_extra
-
-
-def recompute_requirement(schedule: str, state: DeviceState, k: int, micro_batches: int, input_bytes: int,
-                          budget: int) -> int:
-    """The least device memory at which :func:`recompute_allowance` reaches ``budget``."""
-    return fixed_bytes(schedule, micro_batches, state) + k * (budget - input_bytes + state.engine_extra)
 
 
 def to_local(schedule, first: int) -> tuple:

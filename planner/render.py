@@ -165,6 +165,20 @@ def plan_header(plan) -> list:
     ]
 
 
+def pipeline_memory_lines(result) -> list:
+    """Per device of a simulated pipeline (planner.pipeline_simulator.PipelineResult), what its peak is made of
+    (bytes): the resident state (parameters, master copy, optimizer state), the step's buffers (inputs and
+    received gradients), the parameter gradients, one micro-batch held between forward and backward, the
+    forwards before the first backward, and the step's peak above resident state and buffers."""
+    lines = [f"{'device':>6} {'resident':>12} {'buffers':>12} {'gradients':>12} {'held/micro':>12} {'in flight':>9} "
+             f"{'step peak':>12} {'peak':>12}"]
+    for index, device in enumerate(result.devices):
+        lines.append(f"{index:>6} {format_bytes(device.resident_bytes):>12} {format_bytes(device.buffer_bytes):>12} "
+                     f"{format_bytes(device.gradient_bytes):>12} {format_bytes(device.micro.held):>12} "
+                     f"{device.in_flight:>9} {format_bytes(device.step_peak):>12} {format_bytes(device.peak_bytes):>12}")
+    return lines
+
+
 def simulation_lines(plan, result) -> list:
     """Lines on a re-simulation (peak in bytes, time in seconds), flagging a plan whose stored prediction differs."""
     lines = [f"simulated  peak {describe_bytes(result.peak_bytes)}, step time {format_seconds(result.time)}"]

@@ -14,19 +14,18 @@ schedule's compute plus the boundary transfers it *sends* (``a_last`` forward, `
 schedules. Device ``s`` starts ``k_s`` forwards before its first backward (``m`` for GPipe, ``min(m, P - s)``
 for 1F1B) and its peak is found by walking its phases in PyTorch's order: its resident state and buffers
 (the ``m`` inputs and received gradients), its parameter gradients from its first backward on, each
-micro-batch held between forward and backward, each finished one's ``δ_first``, and the running phase's peak.
+micro-batch held between forward and backward, what the engine still references of finished ones (pending
+sends), and the running phase's peak.
 
 **A device's schedule for a candidate range** (:meth:`PartitionProblem.option`), for stages ``[a, b)`` at
-``k`` forwards before the first backward:
+``k`` forwards before the first backward, each judged by its exact device peak (the walk above):
 
-1. *store-all*, when its exact peak fits: it is the fastest;
-2. else *recomputation* at the sub-chain allowance ``M`` (pipeline_simulator.recompute_allowance: ``k``
-   micro-batches at ``M``, the gradients and ``m - 1`` finished micro-batches on top of the resident state
-   and buffers fit): the faster of Rotor's schedule for the sub-chain at budget ``M`` (solvers/rotor.py,
-   ``slots`` units) and the least-memory schedule (solvers/minimum.py), when ``M`` is at least the sub-chain's
-   least memory. Counting every in-flight micro-batch at ``M`` is conservative, since a held micro-batch keeps
-   only its checkpoints, and it makes the choice independent of the other micro-batches. The plan's
-   predicted peak is the exact walk (at most the bound).
+1. *store-all*, when it fits: it is the fastest;
+2. else the faster of the *least-memory schedule* (solvers/minimum.py) and *Rotor's schedule* at the highest
+   level of its table (solvers/rotor.py at ``slots`` units, computed once per range up to the sub-chain's
+   store-all peak) whose device peak fits, found by bisection over the levels (a level with more memory per
+   micro-batch gives a higher device peak; where that does not hold, a fitting level may be missed, never a
+   non-fitting one taken), whichever fit;
 3. else the range does not fit at that position.
 
 Rotor's table over the whole chain is not reused for sub-chains: its entry ``opt[a, b, m]`` runs the
@@ -46,8 +45,7 @@ skipped exactly (``T >= m * t_s`` for every device), where ``t_lower`` is its st
 ``T_upper`` the optimum with the least-memory schedule in place of Rotor's.
 
 **Infeasible**: a one-line :class:`MemschedError` with the smallest device memory that would fit (a min-max
-DP over each range's least requirement: store-all's exact peak or where the allowance reaches the least
-memory).
+DP over each range's least requirement: the exact peak of store-all or of the least-memory schedule).
 """
 
 import time
@@ -58,7 +56,7 @@ import numpy as np
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, device_state, in_flight, micro_batch,
-                                        pipeline_time, recompute_allowance, recompute_requirement, sends, step_peak,
+                                        pipeline_time, sends, step_peak,
                                         sub_chain, sub_chains, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
 from planner.simulator import ChainSimulator
@@ -114,7 +112,8 @@ class PartitionProblem:
         self.setup, self.slots = setup or TrainingSetup(), slots
         self.length = chain.length
         self.rotor_calls = 0
-        self._subs, self._least, self._rotors, self._store_peaks = {}, {}, {}, {}
+        self._subs, self._least, self._tables, self._rotors = {}, {}, {}, {}
+        self._store_peaks, self._least_peaks = {}, {}
 
     def k(self, device: int) -> int:
         """In-flight micro-batches of ``device``."""
@@ -174,61 +173,73 @@ class PartitionProblem:
             return self._make("store_all", a, b, k, *self.sub(a, b)[2])
         return None
 
-    def allowance(self, a: int, b: int, k: int) -> int:
-        """The sub-chain budget at which any schedule of ``[a, b)`` fits (pipeline_simulator.recompute_allowance)."""
-        return recompute_allowance(self.memory, self.schedule, self.sub(a, b)[1], k, self.micro_batches,
-                                   self.chain.act_bytes(a))
+    def least_peak(self, a: int, b: int, k: int) -> int:
+        """The exact device peak of the least-memory schedule on ``[a, b)`` (cached)."""
+        if (a, b, k) not in self._least_peaks:
+            _, state, _ = self.sub(a, b)
+            self._least_peaks[a, b, k] = state.resident + state.buffers + step_peak(self.least(a, b)[2], self.schedule,
+                                                                                   k, self.micro_batches, state)
+        return self._least_peaks[a, b, k]
 
     def least_option(self, a: int, b: int, k: int):
-        """The least-memory schedule at the allowance, when it fits, else None."""
-        need, schedule, micro = self.least(a, b)
-        if self.allowance(a, b, k) < need:
+        """The least-memory schedule when its exact peak fits, else None."""
+        if self.least_peak(a, b, k) > self.memory:
             return None
+        _, schedule, micro = self.least(a, b)
         return self._make("least_memory", a, b, k, schedule, micro)
 
-    def _rotor(self, a: int, b: int, budget: int):
-        """Rotor's schedule for ``[a, b)`` at a sub-chain ``budget`` and its micro-batch (cached), or None."""
-        if (a, b, budget) not in self._rotors:
+    def _table(self, a: int, b: int):
+        """Rotor's table for the sub-chain of ``[a, b)`` (solvers/rotor.py, ``slots`` units) up to its store-all
+        peak, and its least feasible level: ``(arrays, opt, lowest, top)``, or None (cached)."""
+        if (a, b) not in self._tables:
+            (chain, _), _, (store, _) = self.sub(a, b)
+            _, arrays, top = discretise(chain, ChainSimulator(chain).run(store).peak_bytes, self.slots)
             self.rotor_calls += 1
-            schedule = _rotor_table_schedule(self.sub(a, b)[0][0], budget, self.slots)
-            self._rotors[a, b, budget] = None if schedule is None else (schedule, self.micro(a, b, schedule))
-        return self._rotors[a, b, budget]
+            opt = compute_table(arrays, top) if top >= 0 else None
+            feasible = [level for level in range(top + 1)
+                        if final_state_fits(arrays, level) and np.isfinite(opt[0, chain.length, level])]
+            self._tables[a, b] = (arrays, opt, feasible[0], top) if feasible else None
+        return self._tables[a, b]
+
+    def _rotor_at(self, a: int, b: int, level: int):
+        """Rotor's schedule at one level of its table and its micro-batch (cached)."""
+        if (a, b, level) not in self._rotors:
+            arrays, opt, _, _ = self._table(a, b)
+            schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), level)
+            self._rotors[a, b, level] = schedule, self.micro(a, b, schedule)
+        return self._rotors[a, b, level]
+
+    def rotor_option(self, a: int, b: int, k: int):
+        """Rotor's schedule at the highest level of its table whose exact device peak fits (found by bisection:
+        more memory per micro-batch, a higher peak), or None."""
+        table = self._table(a, b)
+        if table is None:
+            return None
+        _, _, low, high = table
+        state, found = self.sub(a, b)[1], None
+        while low <= high:
+            level = (low + high) // 2
+            schedule, micro = self._rotor_at(a, b, level)
+            if state.resident + state.buffers + step_peak(micro, self.schedule, k, self.micro_batches, state) <= self.memory:
+                found, low = (schedule, micro), level + 1
+            else:
+                high = level - 1
+        return None if found is None else self._make("rotor", a, b, k, *found)
 
     def option(self, a: int, b: int, k: int):
         """The device's schedule for ``[a, b)`` at ``k`` in flight (module docstring), or None if nothing fits."""
         found = self.store_all(a, b, k)
         if found is not None:
             return found
-        least = self.least_option(a, b, k)
-        if least is None:
-            return None
-        found = self._rotor(a, b, self.allowance(a, b, k))
-        if found is None:
+        least, rotor = self.least_option(a, b, k), self.rotor_option(a, b, k)
+        if rotor is None or (least is not None and least.time < rotor.time):
             return least
-        found = self._make("rotor", a, b, k, *found)
-        return least if least.time < found.time else found
+        return rotor
 
     def requirement(self, a: int, b: int, k: int) -> int:
         """The least device memory at which ``[a, b)`` fits with ``k`` forwards before the first backward: the
-        store-all peak, or where the allowance reaches the least memory (the inverse of ``allowance``)."""
-        least = recompute_requirement(self.schedule, self.sub(a, b)[1], k, self.micro_batches, self.chain.act_bytes(a),
-                                      self.least(a, b)[0])
-        return min(self.store_all_peak(a, b, k), least)
-
-
-def _rotor_table_schedule(chain: Chain, budget: int, slots: int):
-    """Rotor's optimal schedule at ``budget`` bytes from its table at ``slots`` units (solvers/rotor.py); None
-    when the discretised table has none. (``rotor()`` also checks every segment schedule in bytes, which costs
-    several times the table here and is left out: the least-memory schedule is the fallback.)"""
-    _, arrays, top = discretise(chain, budget, slots)
-    if top < 0 or not final_state_fits(arrays, top):
-        return None
-    opt = compute_table(arrays, top)
-    if not np.isfinite(opt[0, chain.length, top]):
-        return None
-    schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
-    assert ChainSimulator(chain).run(schedule).peak_bytes <= budget, "rotor's schedule above its budget"
-    return schedule
+        exact peak of store-all or of the least-memory schedule."""
+        return min(self.store_all_peak(a, b, k), self.least_peak(a, b, k))
 
 
 def _min_sum(times: np.ndarray, bounds: np.ndarray):
@@ -381,6 +392,8 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
         exact[s, a, b] = found is not None
         if found is None:
             found = problem.least_option(a, b, k)
+            if found is None:  # only a Rotor schedule may fit: decide it now
+                found, exact[s, a, b] = problem.option(a, b, k), True
         if found is not None:
             times[s, a, b] = found.time
             lower[s, a, b] = problem.lower_time(a, b)

@@ -29,6 +29,12 @@ def test_partition_writes_a_plan_that_show_replays(capsys, tmp_path):
     status, out, err = run(capsys, "show", plan_path, "--chain", EXAMPLE)
     assert status == 0, err
     assert "simulated  peak" in out and "note" not in out
+    # the breakdown of each device's peak: resident state + buffers + the step's peak
+    header = next(line for line in out.splitlines() if "resident" in line).split()
+    assert header == ["device", "resident", "buffers", "gradients", "held/micro", "in", "flight", "step", "peak", "peak"]
+    for device in result.devices:
+        assert device.resident_bytes + device.buffer_bytes + device.step_peak == device.peak_bytes
+        assert device.step_peak >= device.gradient_bytes + (device.in_flight - 1) * device.micro.held
 
 
 def test_partition_errors_are_one_line(capsys, tmp_path):

@@ -320,6 +320,21 @@ def test_grad_accumulates_across_two_planned_steps(small, name):
     assert_close(twice, {key: 2 * g for key, g in reference.items()})
 
 
+def test_unfused_stages_give_the_same_gradients(small):
+    """``fuse=False`` (a pipeline's recomputing device) runs one autograd call per stage, so each stage's
+    gradients are added into ``.grad`` before the next stage's are made; gradients, accumulated over two
+    backwards as over a pipeline's micro-batches, are those of the plain step."""
+    model, chain, _, reference = small["gpt-tiny"]
+    plan = solve(chain, int(0.6 * store_all_peak(chain)), "rotor")
+    assert apply_plan(model.stages, plan, chain).continued  # the plan has stages to fuse
+    planned = apply_plan(model.stages, plan, chain, fuse=False)
+    assert not planned.continued and not planned.absorbed
+    step(model, lambda: planned(*model.example_inputs))
+    _, twice = step(model, lambda: planned(*model.example_inputs), clear=False)
+    clear_grads(model)
+    assert_close(twice, {key: 2 * g for key, g in reference.items()})
+
+
 class _AddedParameters(nn.Module):
     """``x + a + b`` with ``a`` and ``b`` of ``x``'s full shape: autograd hands both the incoming gradient itself."""
 

@@ -137,7 +137,8 @@ def test_one_device_one_micro_batch_is_the_chain_step():
 def pipeline_plan(chain):
     probe = make(chain, 3, 10**15, 6, "1f1b", 2e9)
     least = smallest_memory(probe)
-    return partition(chain, 3, least + least // 20, 6, "1f1b", bandwidth=2e9, latency=1e-5, slots=200)
+    roomy = max(probe.requirement(a, b, probe.k(s)) for s, a, b in probe.positions())
+    return partition(chain, 3, least + (roomy - least) * 2 // 5, 6, "1f1b", bandwidth=2e9, latency=1e-5, slots=200)
 
 
 def test_plan_round_trip_and_prediction(tmp_path):
