@@ -78,7 +78,7 @@ from dataclasses import dataclass
 from planner.chain import Chain, Loss
 from planner.errors import MemschedError
 from planner.plan import PIPELINE_SCHEDULES, Plan
-from planner.simulator import ChainSimulator
+from planner.simulator import ChainSimulator, backward_peak
 from planner.step_memory import TrainingSetup, parameters_of
 
 
@@ -99,12 +99,17 @@ class DeviceState:
 
     resident: int  # parameters, master copy, optimizer state
     buffers: int  # m inputs, and m received gradients unless last
-    gradients: int  # the setup's parameter gradients, as the sub-chain makes them (each stage's rounded up)
+    stage_gradients: tuple  # the setup's parameter gradients of each stage (scaled from param_bytes, rounded up)
     input_gradient: int  # δ_first, sent back after each backward (0 on device 0: its input needs none)
     output: int  # a_last, sent forward (the model's output on the last device)
     loss_saved: int  # on the last device, what the loss's forward leaves until the backward; else 0
     still_held: tuple  # per local stage: bytes of the output the engine still holds at its backward (micro_batch)
     is_last: bool
+
+    @property
+    def gradients(self) -> int:
+        """The device's parameter gradients (bytes)."""
+        return sum(self.stage_gradients)
 
 
 
@@ -191,26 +196,25 @@ def transfer_seconds(nbytes: int, bandwidth, latency: float) -> float:
     return nbytes / bandwidth + latency
 
 
-def sub_chain(chain: Chain, first: int, last: int, gradients: int = 0) -> Chain:
-    """Stages ``[first, last)`` as a standalone chain: input ``a_first``, the last stage keeping its whole
-    ``ā_last`` until its backward, the chain's loss when ``last`` is the chain's end, else a zero loss (its
-    "gradient" is ``δ_last``, received); ``param_bytes`` 0, or scaled to ``gradients`` bytes in all (each
-    rounded up) to make the parameter gradients in its backward."""
+def sub_chain(chain: Chain, first: int, last: int) -> Chain:
+    """Stages ``[first, last)`` as a standalone chain: input ``a_first``, ``param_bytes`` 0 (the device's
+    gradients are counted by :func:`step_peak`), the last stage keeping its whole ``ā_last`` until its backward,
+    the chain's loss when ``last`` is the chain's end, else a zero loss (its "gradient" is ``δ_last``,
+    received)."""
     if not 0 <= first < last <= chain.length:
         raise MemschedError(f"stage range [{first}, {last}) is not a non-empty range of chain '{chain.name}' "
                             f"({chain.length} stages)")
-    own = chain.stages[first:last]
-    stages = [dataclasses.replace(stage, param_bytes=scaled) for stage, scaled in zip(own, _scaled(own, gradients))]
+    stages = [dataclasses.replace(stage, param_bytes=0) for stage in chain.stages[first:last]]
     stages[-1] = dataclasses.replace(stages[-1], own_saved_bytes=stages[-1].saved_bytes)
     loss = chain.loss if last == chain.length else Loss(0.0, 0)
     return Chain(name=f"{chain.name}[{first}:{last}]", device=chain.device, input_bytes=chain.act_bytes(first),
                  stages=tuple(stages), loss=loss)
 
 
-def _scaled(stages, gradients: int) -> list:
+def _scaled(stages, gradients: int) -> tuple:
     """Each stage's ``param_bytes`` scaled to ``gradients`` bytes in all, rounded up (0 without parameters)."""
     total = sum(stage.param_bytes for stage in stages)
-    return [-(-stage.param_bytes * gradients // total) if total else 0 for stage in stages]
+    return tuple(-(-stage.param_bytes * gradients // total) if total else 0 for stage in stages)
 
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
@@ -230,7 +234,7 @@ def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micr
                        for stage in chain.stages[first:last - 1]) + (0,)
     return DeviceState(resident=setup.resident_bytes(parameters),
                        buffers=micro_batches * (chain.act_bytes(first) + (0 if is_last else output)),
-                       gradients=sum(_scaled(chain.stages[first:last], setup.gradient_bytes(parameters))),
+                       stage_gradients=_scaled(chain.stages[first:last], setup.gradient_bytes(parameters)),
                        input_gradient=chain.act_bytes(first) if first > 0 else 0, output=output,
                        loss_saved=chain.loss.saved_bytes if is_last else 0, still_held=still_held, is_last=is_last)
 
@@ -287,21 +291,31 @@ def _phases(timeline, input_bytes: int, received: int, still_held: tuple) -> tup
     return forward_peak, held, backward_peak
 
 
-def sub_chains(chain: Chain, first: int, last: int, state: DeviceState) -> tuple:
-    """The device's sub-chain without and with its parameter gradients (what :func:`micro_batch` replays)."""
-    return sub_chain(chain, first, last), sub_chain(chain, first, last, state.gradients)
+def _with_gradients(timeline, sub: Chain, stage_gradients) -> list:
+    """The replay's steps as the same replay with each stage's ``B`` also making its parameter gradients
+    (``stage_gradients``, kept to the end) gives them: every later operation higher by the gradients made."""
+    made, steps = 0, []
+    for step in timeline:
+        before, after, peak = step.memory_before + made, step.memory_after + made, step.peak + made
+        if step.op.kind == "B":
+            i = step.op.stage
+            after += stage_gradients[i]
+            peak = backward_peak(before, sub.act_bytes(i), sub.stages[i].bwd_tmp_bytes, after)
+            made += stage_gradients[i]
+        steps.append(step._replace(memory_before=before, peak=peak, memory_after=after))
+    return steps
 
 
-def micro_batch(chain: Chain, first: int, last: int, local_schedule, state: DeviceState, subs=None) -> MicroBatch:
-    """One micro-batch of a device's schedule (local stage indices) on stages ``[first, last)``; ``subs``: its
-    :func:`sub_chains` when already built."""
+def micro_batch(chain: Chain, first: int, last: int, local_schedule, state: DeviceState, sub=None) -> MicroBatch:
+    """One micro-batch of a device's schedule (local stage indices) on stages ``[first, last)``; ``sub``: its
+    :func:`sub_chain` when already built."""
     input_bytes = chain.act_bytes(first)
     received = chain.act_bytes(last) if last < chain.length else 0
-    without, with_gradients = subs or sub_chains(chain, first, last, state)
-    warm = ChainSimulator(without).run(local_schedule)
-    fresh = ChainSimulator(with_gradients).run(local_schedule)
+    sub = sub or sub_chain(chain, first, last)
+    warm = ChainSimulator(sub).run(local_schedule)
+    fresh = _with_gradients(warm.timeline, sub, state.stage_gradients)
     forward_peak, held, backward_peak = _phases(warm.timeline, input_bytes, received, state.still_held)
-    first_backward_peak = _phases(fresh.timeline, input_bytes, received, state.still_held)[2]
+    first_backward_peak = _phases(fresh, input_bytes, received, state.still_held)[2]
     held += state.loss_saved  # the engine runs the loss's forward at the end of the last device's forward phase
     forward_peak = max(forward_peak, held)
     return MicroBatch(compute=warm.time, forward_peak=forward_peak, held=held, backward_peak=backward_peak,

@@ -123,8 +123,7 @@ class ChainSimulator:
             freed = state._replace(abar=state.abar & bit, grad=state.grad & bit)
             memory = state.memory - stage.own_saved_bytes - stage.out_bytes + stage.param_bytes
             new = self._produce_gradient(freed, i, memory)
-            peak = max(state.memory + self.act[i] + stage.bwd_tmp_bytes, new.memory)
-            return new, peak, stage.bwd_time
+            return new, backward_peak(state.memory, self.act[i], stage.bwd_tmp_bytes, new.memory), stage.bwd_time
         if op.kind not in ("F_all", "F_ck", "F_none"):
             raise ValueError(f"unknown operation {op.kind!r}")
         if state.done >> i & 1:
@@ -178,6 +177,12 @@ class ChainSimulator:
             what = "the loss" if missing == self.length else f"the backward of stage {missing}"
             raise ScheduleError(f"schedule ends before {what}")
         return result
+
+
+def backward_peak(memory_before: int, input_gradient: int, bwd_tmp: int, memory_after: int) -> int:
+    """The peak of ``B i``: the resident bytes, ``δ_i`` and the stage's backward temporaries, and at least the
+    memory after it."""
+    return max(memory_before + input_gradient + bwd_tmp, memory_after)
 
 
 def replay(state, step, schedule, label: str) -> tuple:

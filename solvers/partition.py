@@ -57,7 +57,7 @@ from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, device_state, in_flight, micro_batch,
                                         pipeline_time, sends, step_peak,
-                                        sub_chain, sub_chains, to_global)
+                                        sub_chain, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup
@@ -128,24 +128,23 @@ class PartitionProblem:
                     yield s, a, b
 
     def sub(self, a: int, b: int):
-        """``(sub-chains without and with gradients, device state, (store-all schedule, its micro-batch))`` of
-        stages ``[a, b)``."""
+        """``(sub-chain, device state, (store-all schedule, its micro-batch))`` of stages ``[a, b)``."""
         if (a, b) not in self._subs:
             state = device_state(self.chain, a, b, self.setup, self.micro_batches)
-            subs = sub_chains(self.chain, a, b, state)
+            sub = sub_chain(self.chain, a, b)
             store = store_all_schedule(b - a)
-            self._subs[a, b] = subs, state, (store, micro_batch(self.chain, a, b, store, state, subs))
+            self._subs[a, b] = sub, state, (store, micro_batch(self.chain, a, b, store, state, sub))
         return self._subs[a, b]
 
     def micro(self, a: int, b: int, schedule):
         """The micro-batch of a schedule (local stage indices) of ``[a, b)``."""
-        subs, state, _ = self.sub(a, b)
-        return micro_batch(self.chain, a, b, schedule, state, subs)
+        sub, state, _ = self.sub(a, b)
+        return micro_batch(self.chain, a, b, schedule, state, sub)
 
     def least(self, a: int, b: int):
         """``(least memory of one micro-batch's sub-chain, its schedule, its micro-batch)``."""
         if (a, b) not in self._least:
-            chain = self.sub(a, b)[0][0]
+            chain = self.sub(a, b)[0]
             schedule = least_memory_schedule(chain)
             self._least[a, b] = minimum_budget(chain), schedule, self.micro(a, b, schedule)
         return self._least[a, b]
@@ -192,7 +191,7 @@ class PartitionProblem:
         """Rotor's table for the sub-chain of ``[a, b)`` (solvers/rotor.py, ``slots`` units) up to its store-all
         peak, and its least feasible level: ``(arrays, opt, lowest, top)``, or None (cached)."""
         if (a, b) not in self._tables:
-            (chain, _), _, (store, _) = self.sub(a, b)
+            chain, _, (store, _) = self.sub(a, b)
             _, arrays, top = discretise(chain, ChainSimulator(chain).run(store).peak_bytes, self.slots)
             self.rotor_calls += 1
             opt = compute_table(arrays, top) if top >= 0 else None

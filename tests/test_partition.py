@@ -11,12 +11,13 @@ import pytest
 
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.pipeline_simulator import phase_order, pipeline_time, simulate_pipeline, to_global
+from planner.pipeline_simulator import phase_order, pipeline_time, simulate_pipeline, sub_chain, to_global
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
+from solvers.minimum import minimum_budget
 from solvers.partition import PartitionProblem, partition, solve_partition
 
 
@@ -226,3 +227,21 @@ def test_1f1b_needs_as_many_micro_batches_as_devices():
         make(chain, 4, 10**12, 3, "1f1b")
     assert "\n" not in str(info.value)
     make(chain, 4, 10**12, 3, "gpipe")  # GPipe takes any count
+
+
+def test_gradients_added_to_a_replay_equal_a_replay_that_makes_them():
+    """The pipeline simulator replays a device's sub-chain once and adds the parameter gradients each ``B``
+    makes: the same steps as replaying the sub-chain with those gradients as its ``param_bytes``."""
+    from planner.pipeline_simulator import _with_gradients
+    from solvers.minimum import least_memory_schedule
+    from solvers.rotor import rotor
+
+    chain = random_chain(8, seed=9, tmp=True, params=True, own_saved=True)
+    sub = sub_chain(chain, 2, 7)
+    gradients = (13, 0, 77, 5, 1000)
+    making = dataclasses.replace(sub, stages=tuple(dataclasses.replace(stage, param_bytes=g)
+                                                   for stage, g in zip(sub.stages, gradients)))
+    budget = (ChainSimulator(sub).run(store_all_schedule(5)).peak_bytes + minimum_budget(sub)) // 2
+    for schedule in (store_all_schedule(5), least_memory_schedule(sub), rotor(sub, budget).schedule):
+        added = _with_gradients(ChainSimulator(sub).run(schedule).timeline, sub, gradients)
+        assert added == list(ChainSimulator(making).run(schedule).timeline)
