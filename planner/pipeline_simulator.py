@@ -48,10 +48,12 @@ variables), and the running micro-batch at its phase's peak::
 
     peak_s = resident_s + buffers_s + max over the phases of (those terms)
 
-(:func:`step_peak`). Measured on 2 gloo processes (tests/test_pipeline.py): 0.984-1.002 of the prediction
-per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices). It is high by up
-to one received gradient where a stage's backward holds its incoming gradient to its peak anyway (a
-residual block), its ``bwd_tmp_bytes`` then counting it already.
+(:func:`step_peak`). Measured on 2 and 3 gloo processes (tests/test_pipeline.py): 0.98-1.002 of the
+prediction per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices), 0.84 on
+a device holding only an embedding. It is high where the profile counts more than the engine holds: up to
+one received gradient where a stage's backward holds its incoming gradient to its peak anyway (its
+``bwd_tmp_bytes`` then count it), and a stage's gradients less its largest from the second micro-batch on
+(added into ``.grad`` as made, while the profile's backward made them all).
 
 **Time.** Per micro-batch, device ``s`` takes ``t_s = compute_s + send_s`` where ``send_s`` charges every
 boundary transfer to its *sender*: ``a_last`` forward to device ``s + 1`` (not on the last device) and
@@ -268,20 +270,19 @@ def sends(chain: Chain, first: int, last: int, bandwidth, latency: float) -> flo
     return seconds
 
 
-def _phases(timeline, input_bytes: int, received: int, still_held: tuple) -> tuple:
+def _phases(timeline, input_bytes: int, at_loss: int, still_held: tuple) -> tuple:
     """``(forward peak, held, backward peak)`` of a replayed sub-chain as the engine runs it: less its input
-    (always resident in the replay) and, from ``Loss`` until a backward runs, the received gradient
-    (``received`` bytes), both in the device's buffers; plus ``still_held[i]`` bytes at the backward of local
-    stage ``i`` (:func:`device_state`). The first backward's peak keeps the received gradient: the profile's
-    ``bwd_tmp_bytes`` were measured with the incoming gradient freed as autograd consumed it, which a receive
-    buffer never is."""
+    (always resident in the replay; in the device's buffers); ``at_loss`` more at ``Loss`` (:func:`micro_batch`);
+    ``still_held[i]`` more at the backward of local stage ``i`` (:func:`device_state`). (On device 0 the replay's
+    ``δ_0`` at the backward of stage 0 stands for nothing the engine makes, but the profile measured that
+    backward's temporaries less it, so the two offset.)"""
     forward_peak = backward_peak = held = 0
     backward = False
     for step in timeline:
         peak = step.peak - input_bytes
         if step.op.kind == "Loss":
             held, backward = step.memory_before - input_bytes, True
-            peak -= received
+            peak += at_loss
         elif step.op.kind == "B":
             peak += still_held[step.op.stage]
         if backward:
@@ -310,12 +311,17 @@ def micro_batch(chain: Chain, first: int, last: int, local_schedule, state: Devi
     """One micro-batch of a device's schedule (local stage indices) on stages ``[first, last)``; ``sub``: its
     :func:`sub_chain` when already built."""
     input_bytes = chain.act_bytes(first)
-    received = chain.act_bytes(last) if last < chain.length else 0
     sub = sub or sub_chain(chain, first, last)
     warm = ChainSimulator(sub).run(local_schedule)
     fresh = _with_gradients(warm.timeline, sub, state.stage_gradients)
-    forward_peak, held, backward_peak = _phases(warm.timeline, input_bytes, received, state.still_held)
-    first_backward_peak = _phases(fresh, input_bytes, received, state.still_held)[2]
+    # At Loss: a received gradient is in its buffer; the chain's loss was profiled with the last stage's output
+    # freed once read (unless the stage saved it), which the engine keeps until the backward.
+    last_stage = chain.stages[last - 1]
+    at_loss = (last_stage.saved_bytes - last_stage.own_saved_bytes if state.is_last
+               else -chain.act_bytes(last))
+    engine = (input_bytes, at_loss, state.still_held)
+    forward_peak, held, backward_peak = _phases(warm.timeline, *engine)
+    first_backward_peak = _phases(fresh, *engine)[2]
     held += state.loss_saved  # the engine runs the loss's forward at the end of the last device's forward phase
     forward_peak = max(forward_peak, held)
     return MicroBatch(compute=warm.time, forward_peak=forward_peak, held=held, backward_peak=backward_peak,

@@ -5,14 +5,14 @@ import copy
 import dataclasses
 import itertools
 import json
-from dataclasses import asdict
 
 import pytest
+from pipeline_plans import store_all_split
 
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.pipeline_simulator import phase_order, pipeline_time, simulate_pipeline, sub_chain, to_global
-from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+from planner.pipeline_simulator import phase_order, pipeline_time, simulate_pipeline, sub_chain
+from planner.plan import Plan
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
@@ -90,16 +90,6 @@ def uniform_chain(length):
     return Chain(name="uniform", device="cpu", input_bytes=100, stages=stages, loss=Loss(0.5, 0))
 
 
-def plan_of(chain, parts, micro_batches, schedule):
-    devices = tuple(PipelineDevice(first=a, last=b, schedule=to_global(store_all_schedule(b - a), a), peak_bytes=0,
-                                   time=0.0) for a, b in parts)
-    pipeline = Pipeline(schedule=schedule, micro_batches=micro_batches, bandwidth=None, latency=0.0,
-                        setup=asdict(TrainingSetup("sgd")), devices=devices)
-    return Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition", budget_bytes=10**9,
-                predicted=Predicted(peak_bytes=0, time=0.0, baseline_time=0.0), schedule=(), kind="pipeline",
-                pipeline=pipeline)
-
-
 @pytest.mark.parametrize("parts,micro,schedule,peaks", [
     # One device, GPipe, 2 micro-batches: 80 B parameters + 2 inputs of 100; per micro-batch (above its input)
     # forward peak 200, held 200, backward peak 400 (first backward 400, gradients 80 forming): the first
@@ -116,7 +106,7 @@ def plan_of(chain, parts, micro_batches, schedule):
 ])
 def test_device_peaks_worked_by_hand(parts, micro, schedule, peaks):
     chain = uniform_chain(2)
-    result = simulate_pipeline(chain, plan_of(chain, parts, micro, schedule))
+    result = simulate_pipeline(chain, store_all_split(chain, parts, micro, schedule, TrainingSetup("sgd")))
     assert [d.peak_bytes for d in result.devices] == peaks
     assert [phase_order(2, 2), phase_order(1, 2), phase_order(2, 4)] == ["FFBB", "FBFB", "FFBFBFBB"]
 
