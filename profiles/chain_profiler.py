@@ -33,7 +33,6 @@ running statistics and the random number generators are restored.
 """
 
 import contextlib
-import logging
 import statistics
 import time
 
