@@ -105,14 +105,13 @@ class DeviceState:
     input_gradient: int  # δ_first, sent back after each backward (0 on device 0: its input needs none)
     output: int  # a_last, sent forward (the model's output on the last device)
     loss_saved: int  # on the last device, what the loss's forward leaves until the backward; else 0
-    still_held: tuple  # per local stage: bytes of the output the engine still holds at its backward (micro_batch)
+    still_held: tuple  # per local stage: bytes of the output the engine still holds at its backward
     is_last: bool
 
     @property
     def gradients(self) -> int:
         """The device's parameter gradients (bytes)."""
         return sum(self.stage_gradients)
-
 
 
 @dataclass(frozen=True)
@@ -129,10 +128,6 @@ class DeviceResult:
     step_peak: int  # above resident and buffers: gradients and micro-batches (step_peak)
     transfer: float  # boundary sends charged to this device
     peak_bytes: int  # resident + buffers + step_peak
-
-    @property
-    def compute(self) -> float:
-        return self.micro.compute
 
     @property
     def time(self) -> float:
@@ -168,19 +163,25 @@ def phase_order(k: int, micro_batches: int) -> str:
 def step_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
     """The device's highest point above its resident state and buffers over one step (module docstring)."""
     peak = held = done = 0
+    gradients = state.gradients
     for phase in phase_order(k, micro_batches):
         others = retained(schedule, phase, k, micro_batches, done, state)
         if phase == "F":
-            peak = max(peak, others + held * micro.held + micro.forward_peak + (state.gradients if done else 0))
+            peak = max(peak, others + held * micro.held + micro.forward_peak + (gradients if done else 0))
             held += 1
             continue
         held -= 1
         if done:
-            peak = max(peak, others + held * micro.held + micro.backward_peak + state.gradients)
+            peak = max(peak, others + held * micro.held + micro.backward_peak + gradients)
         else:
             peak = max(peak, others + held * micro.held + micro.first_backward_peak)
         done += 1
     return peak
+
+
+def device_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
+    """The device's peak bytes: its resident state, its buffers and :func:`step_peak`."""
+    return state.resident + state.buffers + step_peak(micro, schedule, k, micro_batches, state)
 
 
 def pipeline_time(times, micro_batches: int) -> float:
@@ -334,11 +335,11 @@ def device_result(chain: Chain, first: int, last: int, local_schedule, schedule:
     """A device's figures under pipeline ``schedule``; ``micro`` and ``state`` when already known."""
     state = device_state(chain, first, last, setup, micro_batches) if state is None else state
     micro = micro_batch(chain, first, last, local_schedule, state) if micro is None else micro
-    peak = step_peak(micro, schedule, k, micro_batches, state)
+    peak = device_peak(micro, schedule, k, micro_batches, state)
     return DeviceResult(first=first, last=last, in_flight=k, resident_bytes=state.resident,
-                        buffer_bytes=state.buffers, gradient_bytes=state.gradients, micro=micro, step_peak=peak,
-                        transfer=sends(chain, first, last, bandwidth, latency),
-                        peak_bytes=state.resident + state.buffers + peak)
+                        buffer_bytes=state.buffers, gradient_bytes=state.gradients, micro=micro,
+                        step_peak=peak - state.resident - state.buffers,
+                        transfer=sends(chain, first, last, bandwidth, latency), peak_bytes=peak)
 
 
 def to_local(schedule, first: int) -> tuple:

@@ -55,9 +55,8 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_result, device_state, in_flight, micro_batch,
-                                        pipeline_time, sends, step_peak,
-                                        sub_chain, to_global)
+from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_peak, device_result, device_state, in_flight,
+                                        micro_batch, pipeline_time, sends, sub_chain, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup
@@ -158,12 +157,15 @@ class PartitionProblem:
         """Seconds per micro-batch of store-all on ``[a, b)``: no schedule of it is faster."""
         return self.sub(a, b)[2][1].compute + sends(self.chain, a, b, self.bandwidth, self.latency)
 
+    def peak(self, a: int, b: int, k: int, micro) -> int:
+        """The exact device peak of a micro-batch (a schedule's) on ``[a, b)`` with ``k`` forwards before the first
+        backward."""
+        return device_peak(micro, self.schedule, k, self.micro_batches, self.sub(a, b)[1])
+
     def store_all_peak(self, a: int, b: int, k: int) -> int:
         """The device peak of store-all on ``[a, b)`` with ``k`` forwards before the first backward (cached)."""
         if (a, b, k) not in self._store_peaks:
-            _, state, (_, micro) = self.sub(a, b)
-            self._store_peaks[a, b, k] = state.resident + state.buffers + step_peak(micro, self.schedule, k,
-                                                                                   self.micro_batches, state)
+            self._store_peaks[a, b, k] = self.peak(a, b, k, self.sub(a, b)[2][1])
         return self._store_peaks[a, b, k]
 
     def store_all(self, a: int, b: int, k: int):
@@ -175,9 +177,7 @@ class PartitionProblem:
     def least_peak(self, a: int, b: int, k: int) -> int:
         """The exact device peak of the least-memory schedule on ``[a, b)`` (cached)."""
         if (a, b, k) not in self._least_peaks:
-            _, state, _ = self.sub(a, b)
-            self._least_peaks[a, b, k] = state.resident + state.buffers + step_peak(self.least(a, b)[2], self.schedule,
-                                                                                   k, self.micro_batches, state)
+            self._least_peaks[a, b, k] = self.peak(a, b, k, self.least(a, b)[2])
         return self._least_peaks[a, b, k]
 
     def least_option(self, a: int, b: int, k: int):
@@ -195,9 +195,9 @@ class PartitionProblem:
             _, arrays, top = discretise(chain, ChainSimulator(chain).run(store).peak_bytes, self.slots)
             self.rotor_calls += 1
             opt = compute_table(arrays, top) if top >= 0 else None
-            feasible = [level for level in range(top + 1)
-                        if final_state_fits(arrays, level) and np.isfinite(opt[0, chain.length, level])]
-            self._tables[a, b] = (arrays, opt, feasible[0], top) if feasible else None
+            finite = np.flatnonzero(np.isfinite(opt[0, chain.length])) if opt is not None else ()
+            lowest = next((int(level) for level in finite if final_state_fits(arrays, int(level))), None)
+            self._tables[a, b] = None if lowest is None else (arrays, opt, lowest, top)
         return self._tables[a, b]
 
     def _rotor_at(self, a: int, b: int, level: int):
@@ -215,11 +215,11 @@ class PartitionProblem:
         if table is None:
             return None
         _, _, low, high = table
-        state, found = self.sub(a, b)[1], None
+        found = None
         while low <= high:
             level = (low + high) // 2
             schedule, micro = self._rotor_at(a, b, level)
-            if state.resident + state.buffers + step_peak(micro, self.schedule, k, self.micro_batches, state) <= self.memory:
+            if self.peak(a, b, k, micro) <= self.memory:
                 found, low = (schedule, micro), level + 1
             else:
                 high = level - 1

@@ -33,11 +33,16 @@ SPEC = "mlp:layers=8,width=64"
 MICRO, M = 64, 4
 
 
-@pytest.fixture(scope="module")
-def chain():
-    model, _ = load_model(SPEC, batch=MICRO)
+def profiled(spec, micro):
+    """The chain profile of ``spec`` at one micro-batch of ``micro``."""
+    model, _ = load_model(spec, batch=micro)
     return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
                          name=model.name)
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return profiled(SPEC, MICRO)
 
 
 def plan_for(chain, schedule, tight):
@@ -158,11 +163,16 @@ class _FailsOnRank1(torch.nn.Module):
         return x * 1.0
 
 
+def mlp_ending_with(module):
+    """The test mlp (whole batch) with ``module`` run after its last stage."""
+    model, _ = load_model(SPEC, batch=M * MICRO)
+    model.stages[-1] = (model.stages[-1][0], torch.nn.Sequential(model.stages[-1][1], module))
+    return model
+
+
 def failing_model():
     """The mlp with a last stage that fails on rank 1 (module-level: the spawned ranks unpickle it)."""
-    model, _ = load_model(SPEC, batch=M * MICRO)
-    model.stages[-1] = (model.stages[-1][0], torch.nn.Sequential(model.stages[-1][1], _FailsOnRank1()))
-    return model
+    return mlp_ending_with(_FailsOnRank1())
 
 
 def test_a_rank_that_dies_is_reported_in_one_line(chain):
@@ -188,9 +198,7 @@ def test_gpt_tiny_integer_input_1f1b_equals_single_process(cut):
     from planner.pipeline import run_pipeline
 
     micro = 2
-    model, _ = load_model(GPT, batch=micro)
-    gpt_chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
-                              name=model.name)
+    gpt_chain = profiled(GPT, micro)
     plan = store_all_split(gpt_chain, [(0, cut), (cut, gpt_chain.length)], M, "1f1b")
     results = run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
     check_training(results, GPT, M * micro)
@@ -212,9 +220,8 @@ class _HangsOnRank1(torch.nn.Module):
 
 
 def hanging_model():
-    model, _ = load_model(SPEC, batch=M * MICRO)
-    model.stages[-1] = (model.stages[-1][0], torch.nn.Sequential(model.stages[-1][1], _HangsOnRank1()))
-    return model
+    """The mlp with a last stage that hangs on rank 1."""
+    return mlp_ending_with(_HangsOnRank1())
 
 
 def test_a_hung_run_times_out_and_leaves_no_process(chain):
@@ -234,9 +241,7 @@ SPEC16 = "mlp:layers=16,width=64"  # long enough that GPipe's m in-flight micro-
 def test_gpipe_recomputing_devices_equal_single_process():
     from planner.pipeline import run_pipeline
 
-    model, _ = load_model(SPEC16, batch=MICRO)
-    long_chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
-                               name=model.name)
+    long_chain = profiled(SPEC16, MICRO)
     plan = plan_for(long_chain, "gpipe", tight=True)
     results = run_pipeline(model_of(SPEC16, M * MICRO), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
     assert any(r.recomputes for r in results)
