@@ -295,10 +295,14 @@ class Checks:
                 f"(c) rotor measured / predicted: time {bench_executor.span([r['rotor_s'] / r['predicted_s'] for r in done])}"
                 f", peak {bench_executor.span([r['rotor_peak'] / r['predicted_peak'] for r in done], 4)}")
 
-    def channel(self):
-        transfer = self.chain.transfer
-        if transfer is None:
+    def profiled_channel(self):
+        """The chain's copy channel, as profile_chain measured it on CUDA."""
+        if self.chain.transfer is None:
             raise MemschedError("the profile has no copy channel (profile_chain measures one on CUDA)")
+        return self.chain.transfer
+
+    def channel(self):
+        transfer = self.profiled_channel()
         print(f"profiled channel (profile_chain, 1 and 64 MiB copies, line fit): d2h {gbps(transfer.d2h_bandwidth)}, "
               f"h2d {gbps(transfer.h2d_bandwidth)}, latency {transfer.latency * 1e6:.1f} us")
         seconds = time_pinned_copies(self.device, CHANNEL_BYTES, CHANNEL_REPEATS)
@@ -320,9 +324,7 @@ class Checks:
             f"each): d2h {ratios['both d2h']:.3f}, h2d {ratios['both h2d']:.3f}")
 
     def offload_plans(self):
-        transfer = self.chain.transfer
-        if transfer is None:
-            raise MemschedError("the profile has no copy channel (profile_chain measures one on CUDA)")
+        transfer = self.profiled_channel()
         peak, least = store_all_peak(self.chain), minimum_budget(self.chain)
         cases = [(f"offload {fraction:.0%}", int(peak * fraction), "offload",
                   dict(schedule="store_all", method="exact", time_limit=OFFLOAD_TIME_LIMIT))

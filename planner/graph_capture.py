@@ -441,6 +441,13 @@ def _coarsen(groups, preds, succs, target, order) -> None:
         others = [w for w in groups if w != v and sink(w) and groups[w]["backward"] == groups[v]["backward"]]
         return min(others, key=lambda w: abs(w - v), default=None)
 
+    def push_sibling(v):
+        """A sink group paired with its nearest sibling sink, as a merge candidate."""
+        if sink(v):
+            w = sibling(v)
+            if w is not None:
+                push(min(v, w), max(v, w))
+
     heap = []
 
     def push(v, u):
@@ -478,10 +485,7 @@ def _coarsen(groups, preds, succs, target, order) -> None:
     for v in list(groups):
         for u in succs[v]:
             push(v, u)
-        if sink(v):
-            w = sibling(v)
-            if w is not None:
-                push(min(v, w), max(v, w))
+        push_sibling(v)
     while len(groups) > target and heap:
         _, _, v, u, version_v, version_u = heapq.heappop(heap)
         if v not in groups or u not in groups or version[v] != version_v or version[u] != version_u \
@@ -492,10 +496,7 @@ def _coarsen(groups, preds, succs, target, order) -> None:
             push(other, v)
         for other in succs[v]:
             push(v, other)
-        if sink(v):
-            w = sibling(v)
-            if w is not None:
-                push(min(v, w), max(v, w))
+        push_sibling(v)
 
 
 def _finish(joint: JointGraph, groups, preds, flops, order) -> None:
