@@ -52,7 +52,12 @@ Recomputed forwards replay the random numbers of the stage's first forward
 (CPU and CUDA generators, as ``torch.utils.checkpoint`` does) and its autocast
 state, and leave the running statistics of normalisation layers as the first
 forward left them. Stage ``k`` is called ``module(a_k, *extra)`` as in the
-profiler; outputs may be tensors or tuples/dicts of tensors. Hold no
+profiler; outputs may be tensors or tuples/dicts of tensors. An output that is
+the stage's own input object (``nn.Identity``, ``x.contiguous()``, a skip
+returned beside the result) is taken as a view of it, so that its gradient
+reaches the input whether or not the stage's backward runs alone (in offload
+plans, a copy of any output sharing the input's storage: the chain model holds
+``a_{i+1}`` in an item of its own). Hold no
 reference to the returned output across ``backward()`` (write
 ``loss_fn(model(x)).backward()``): the plan releases it when the schedule says.
 """
@@ -334,11 +339,29 @@ class _Run:
             self.forwarded.add(i)
             if i in self.planned.recomputed:
                 self.rng[i] = _rng_state()
-            return module(*args)
+            return self._pass_on(module(*args), args)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices), _autocast(self.autocast), _running_statistics_kept(module):
             _set_rng_state(self.rng[i])
-            return module(*args)
+            return self._pass_on(module(*args), args)
+
+    def _pass_on(self, output, args):
+        """Stage ``output``, its tensors that are ``args``' own objects made views (see :func:`_passed_on_as_views`)."""
+        return _passed_on_as_views(output, args)
+
+
+def _passed_on_as_views(output, args):
+    """``output`` with every tensor that is one of ``args``' own tensor objects replaced by a view of it.
+
+    A stage that hands its input on (``nn.Identity``, ``x.contiguous()``, a skip returned beside its result)
+    returns the very object the executor gave it: on a fresh leaf, that output *is* the leaf, its gradient edge
+    the leaf's own accumulator, and differentiating the stage would drop the gradient the output receives. A
+    view shares the storage (no memory) and carries the gradient through to the input, as in the plain step.
+    """
+    given = {id(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+    if not given:
+        return output
+    return tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in given else t, output)
 
 
 def _accumulate(parameters, grads) -> None:

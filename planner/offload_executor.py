@@ -138,7 +138,7 @@ import weakref
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.errors import MemschedError
@@ -760,6 +760,14 @@ class OffloadRun(_Run):
             if isinstance(tensor, torch.Tensor) and _boxable(tensor) and \
                     tensor.untyped_storage()._cdata in self.owner:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def _pass_on(self, output, args):
+        """Stage ``output``, every tensor sharing a storage with ``args`` copied (``nn.Identity``, a view of the
+        input, a skip passed on): the chain model holds ``a_{i+1}`` in its own item, which the plan may keep on the
+        device while the input's item is on the host."""
+        given = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and _strided(t)}
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and _strided(t)
+                        and t.untyped_storage()._cdata in given else t, output)
 
     # -- operations
 
