@@ -14,7 +14,7 @@ from planner import check_plan_matches, load_chain, load_plan, render, save_chai
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, Graph, save_graph
 from planner.graph_simulator import simulate_graph
-from planner.jsonio import read_json
+from planner.jsonio import output_path, read_json
 from planner.plan import check_graph_plan_matches
 from solvers.graph import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
 from planner.plot import plot_pareto, plot_timeline
@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # argparse has printed the usage error (status 2) or the help (status 0)
         return exc.code
     try:
+        for given in (getattr(args, name, None) for name in ("output", "plot")):  # refused before any work
+            if given:
+                output_path(given)
         args.command(args)
     except MemschedError as exc:
         print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)

@@ -6,9 +6,8 @@ the axes show MiB, seconds and percent.
 """
 
 import math
-from pathlib import Path
 
-from planner.errors import MemschedError
+from planner.jsonio import write_atomic
 from planner.render import op_categories
 from planner.units import format_bytes
 
@@ -27,11 +26,7 @@ def _figure():
 
 
 def _save(figure, path) -> None:
-    path = Path(path)
-    try:
-        figure.savefig(path, format="png", dpi=120)
-    except OSError as exc:
-        raise MemschedError(f"{path}: cannot write the plot ({exc.strerror}); choose a writable path in an existing folder") from None
+    write_atomic(path, lambda handle: figure.savefig(handle, format="png", dpi=120), binary=True)
 
 
 def plot_timeline(result, budget_bytes: int, path, title: str, categories=None) -> None:
