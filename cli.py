@@ -196,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
+    train.add_argument("--progress-timeout", type=float, metavar="SECONDS",
+                       help="--plan pipeline.json: stop the run when no step has finished for this long (each "
+                            "rank's setup milestones count as progress; default: 300)")
     train.set_defaults(command=_train)
 
     demo = commands.add_parser("demo", help="profile, solve, show and train the built-in gpt-tiny at half its memory",
@@ -344,6 +347,8 @@ def _train(args) -> None:
     from profiles.spec import load_model
 
     checked_device(args.device)
+    if args.progress_timeout is not None and (args.graph or not args.plan):
+        raise MemschedError("--progress-timeout bounds a pipeline run: give it with --plan pipeline.json")
     model, _ = load_model(args.spec, batch=args.batch)
     if args.graph:
         _train_graph(args, model)
@@ -358,6 +363,9 @@ def _train(args) -> None:
         if plan.kind == "pipeline":
             _train_pipeline(args, plan, chain)
             return
+        if args.progress_timeout is not None:
+            raise MemschedError(f"--progress-timeout bounds a pipeline run; {args.plan} is a plan of kind {plan.kind}: "
+                                "drop --progress-timeout")
         if chain is not None:
             check_plan_matches(plan, chain, plan_where=args.plan)
     else:
@@ -378,13 +386,14 @@ def _train_pipeline(args, plan, chain) -> None:
     step's measured peak against the plan's device peak minus its resident state."""
     import functools
 
-    from planner.pipeline import run_pipeline, summary_lines
+    from planner.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
     from profiles.memory import memory_meter
     from profiles.spec import built_model
 
     pipe = plan.pipeline
+    timeout = DEFAULT_PROGRESS_TIMEOUT if args.progress_timeout is None else args.progress_timeout
     results = run_pipeline(functools.partial(built_model, args.spec, batch=args.batch), plan, args.steps,
-                           meter=memory_meter, device=args.device, lr=args.lr, chain=chain)
+                           meter=memory_meter, device=args.device, lr=args.lr, chain=chain, progress_timeout=timeout)
     print("\n".join([f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
                      f"{args.steps} steps on {args.device}"] + summary_lines(results)))
 

@@ -24,13 +24,38 @@ step (the first also allocates the receive buffers). :class:`RankResult` reports
 the measured peak.
 
 Failures are one line (:class:`planner.errors.MemschedError`): a batch that does not split into the
-micro-batches, a plan that cannot run (1F1B with fewer micro-batches than devices), and a rank that dies
-(which rank, and its error); the other ranks are then terminated, and every child is joined.
+micro-batches, a plan that cannot run (1F1B with fewer micro-batches than devices), a rank that dies, and a
+run that makes no progress; the other ranks are then terminated, and every child is joined.
+
+The ranks' lifecycle:
+
+* **They die with the parent.** Each rank arms ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` first thing (Linux), then
+  checks that its parent is still the process that launched it (it may have died while the rank imported);
+  elsewhere a daemon thread polls the parent's pid. A ``kill -9`` of the parent ends every rank at once.
+  (The signal follows the launching *thread*: :func:`run_pipeline` waits for its ranks in that thread.)
+* **A progress timeout, not a whole-run one.** Each rank reports what it is doing through a pipe: its setup
+  milestones (started, joining the process group, building its stage, ready), each forward, backward and loss
+  of its stage (busy) and the waits between them (on its peers), and each finished step. The run is stopped
+  when no step has finished, and no rank has passed a setup milestone, for ``progress_timeout`` seconds
+  (``--progress-timeout``, default 300); a run of any length goes on while its steps finish. Until every rank
+  has started (a fresh interpreter importing torch: seconds, more on a loaded machine) the limit is at least
+  ``_STARTUP_TIMEOUT``; a rank that is done (results saved, process group left) is not held to it (and
+  exits at once, skipping the interpreter's teardown of torch). The message names the rank stuck in its own
+  work (the one busy longest), for how long and in what, or, when every rank waits on another, each rank's
+  wait. (On CUDA "its own work" is the launching of its kernels: a kernel that never ends shows as a wait.)
+* **The first rank to fail is named.** A rank reports its error (with the time) before it exits; the parent
+  sees a rank that dies without one (a signal, ``os._exit``) the moment it exits. The cause is the earliest
+  failure that is not a lost connection to a peer (what the other ranks see when one dies: gloo's
+  "Connection closed by peer"), else the earliest.
 """
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -42,7 +67,13 @@ import torch
 from planner.errors import MemschedError
 from planner.plan import FORWARD_OPS, Plan, Predicted
 
-DEFAULT_TIMEOUT = 300.0  # seconds for the whole run
+DEFAULT_PROGRESS_TIMEOUT = 300.0  # seconds without a finished step (or a rank's setup milestone)
+_STARTUP_TIMEOUT = 120.0  # seconds a rank may take to start (a fresh interpreter importing torch) if longer
+_EXIT_GRACE = 30.0  # seconds a rank that is done (results saved, process group left) gets to exit
+_FAILURE_GRACE = 2.0  # seconds the other ranks get to report their own errors once one has failed
+# What a rank sees when a peer dies under it: a consequence, not the cause (lower case).
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crash",
+              "nccl communicator was aborted")
 
 
 @dataclass
@@ -126,7 +157,8 @@ def _free_port() -> int:
 
 
 def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu", lr: float = None,
-                 timeout: float = DEFAULT_TIMEOUT, chain=None, return_grads: bool = False, seed: int = 0) -> list:
+                 progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT, chain=None, return_grads: bool = False,
+                 seed: int = 0) -> list:
     """Train ``steps`` steps by a pipeline ``plan`` on one process per device; return a :class:`RankResult` per rank.
 
     ``model``: a picklable function returning the model (a :class:`profiles.zoo.ChainModel`: stages, example
@@ -135,7 +167,10 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     (``profiles.memory.memory_meter``), passed in so that the executor imports nothing from profiles. ``lr``: Adam steps
     after each step (none when None: every step then runs on the same parameters). ``chain``: when given, the
     plan must have been solved for it. ``return_grads``: each rank's parameter gradients of the first step.
+    ``progress_timeout``: seconds without a finished step (nor a rank's setup milestone) after which the run is
+    stopped, in one line naming the rank that made no progress.
     """
+    check_progress_timeout(progress_timeout)
     check_pipeline_plan(plan)
     if chain is not None:
         from planner.plan import check_pipeline_plan_matches
@@ -153,7 +188,14 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     built = model()
     _check_model(built, plan)
     del built
-    return _launch(model, plan, steps, meter, device, lr, timeout, return_grads, seed, world)
+    return _launch(model, plan, steps, meter, device, lr, progress_timeout, return_grads, seed, world)
+
+
+def check_progress_timeout(seconds) -> float:
+    """A progress timeout is a finite number of seconds > 0; anything else is refused in one line."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise MemschedError(f"--progress-timeout must be a number of seconds > 0, got {seconds}")
+    return float(seconds)
 
 
 def _batch_of(built) -> int:
@@ -208,72 +250,218 @@ def micro_loss(loss_fn, batch: int, micro_batches: int):
     return loss, target
 
 
-def _launch(model, plan, steps, meter, device, lr, timeout, return_grads, seed, world) -> list:
+def _launch(model, plan, steps, meter, device, lr, progress_timeout, return_grads, seed, world) -> list:
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="memsched-pipeline-") as folder:
-        processes = [context.Process(target=_worker, daemon=True,
-                                     args=(rank, world, port, folder, model, plan, steps, meter, device, lr, timeout,
-                                           return_grads, seed))
-                     for rank in range(world)]
-        for process in processes:
-            process.start()
+        ranks = []
         try:
-            _wait(processes, folder, timeout)
+            for rank in range(world):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(target=_worker, daemon=True,
+                                          args=(rank, world, port, folder, writer, os.getpid(), model, plan, steps,
+                                                meter, device, lr, progress_timeout, return_grads, seed))
+                process.start()
+                writer.close()  # the rank holds the only writer: the pipe ends when the rank does
+                ranks.append(_Rank(rank, process, reader))
+            _wait(ranks, progress_timeout)
         finally:
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes:
-                process.join(5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            for r in ranks:
+                if r.done:  # let it exit on its own first
+                    r.process.join(_EXIT_GRACE)
+                if r.process.is_alive():
+                    r.process.terminate()
+            for r in ranks:
+                r.process.join(5)
+                if r.process.is_alive():
+                    r.process.kill()
+                    r.process.join()
+                r.reader.close()
         return [torch.load(Path(folder) / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
-def _wait(processes, folder, timeout) -> None:
-    """Until every rank has exited cleanly; the first failure (by time) as one line."""
-    deadline = time.monotonic() + timeout
+class _Rank:
+    """The parent's view of one rank: its process, its pipe, what it last said it was doing and since when
+    (``time.monotonic()`` at receipt), its finished steps, and how it failed."""
+
+    def __init__(self, rank, process, reader):
+        self.rank, self.process, self.reader = rank, process, reader
+        self.doing, self.busy, self.since = "starting: its interpreter and imports", True, time.monotonic()
+        self.started = False  # it has sent its first message
+        self.done = False  # its results are saved and it has left the process group: it only has to exit
+        self.steps = 0
+        self.error = None  # (time.time(), message, lost_peer): what it reported before exiting
+        self.died = None  # time.time() when the parent saw it exit with a non-zero status
+
+    def receive(self, message, now) -> bool:
+        """Record one message of the rank; True when it is progress (a setup milestone or a finished step)."""
+        kind = message[0]
+        self.started = True
+        if kind == "doing":
+            _, self.doing, self.busy, milestone = message
+            self.since = now
+            return milestone
+        if kind == "step":
+            self.steps = message[1]
+            self.doing, self.busy, self.since = f"after step {self.steps}", True, now
+            return True
+        if kind == "done":
+            self.done, self.doing, self.busy, self.since = True, "done, exiting", False, now
+        if kind == "error":
+            self.error = message[1:]
+        return False
+
+
+def _wait(ranks, progress_timeout) -> None:
+    """Until every rank has exited cleanly. The first failure, or no progress for ``progress_timeout`` seconds
+    (no step finished, no setup milestone passed), as one line."""
+    from multiprocessing.connection import wait
+
+    readers = {r.reader: r for r in ranks}
+    progress = time.monotonic()  # the last progress of any rank
+    failed = None  # time.monotonic() when the first failure was seen
     while True:
-        codes = [p.exitcode for p in processes]
-        if all(code == 0 for code in codes):
+        codes = [r.process.exitcode for r in ranks]  # one look per round: a rank may exit meanwhile
+        now = time.monotonic()
+        for r, code in zip(ranks, codes):
+            if r.died is None and code not in (None, 0):
+                r.died = time.time()
+        if all(code == 0 or (code is None and r.done) for r, code in zip(ranks, codes)):
             return
-        if any(code not in (None, 0) for code in codes):
-            # Give the others a moment to record their own errors: the first to fail is the cause.
-            grace = time.monotonic() + 2.0
-            while time.monotonic() < grace and any(p.exitcode is None for p in processes):
-                time.sleep(0.05)
-            raise MemschedError(_first_failure(processes, folder))
-        if time.monotonic() > deadline:
-            alive = [rank for rank, p in enumerate(processes) if p.exitcode is None]
-            raise MemschedError(f"pipeline run timed out after {timeout:g} s (ranks {alive} still running)")
-        time.sleep(0.05)
+        if any(r.died is not None for r in ranks):
+            # Give the others a moment to report their own errors: the first to fail is the cause.
+            failed = now if failed is None else failed
+            if now > failed + _FAILURE_GRACE or None not in codes:
+                _drain(readers, now)
+                raise MemschedError(_first_failure(ranks))
+            until = failed + _FAILURE_GRACE
+        else:
+            # Starting a rank (a fresh interpreter importing torch) is no step: it may take longer.
+            limit = progress_timeout if all(r.started for r in ranks) else max(progress_timeout, _STARTUP_TIMEOUT)
+            if now - progress > limit:
+                raise MemschedError(_stalled(ranks, limit, now))
+            until = progress + limit
+        # A rank still running in this round's look is waited on, so the list is never empty.
+        ready = wait(list(readers) + [r.process.sentinel for r, code in zip(ranks, codes) if code is None],
+                     timeout=max(until - now, 0) + 0.01)
+        if any(connection in readers for connection in ready) and _drain(readers, time.monotonic()):
+            progress = time.monotonic()
 
 
-def _first_failure(processes, folder) -> str:
-    errors = []
-    for rank, process in enumerate(processes):
-        path = Path(folder) / f"rank{rank}.err"
-        if path.exists():
-            stamp, _, message = path.read_text().partition("\n")
-            errors.append((float(stamp), rank, message))
-    if errors:
-        _, rank, message = min(errors)
-        return f"pipeline rank {rank} failed: {message}"
-    rank, code = next((r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0))
-    why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-    return f"pipeline rank {rank} died ({why}) without reporting an error"
+def _drain(readers, now) -> bool:
+    """Receive every message waiting in the ranks' pipes (a pipe that ended is dropped); True on progress."""
+    progressed = False
+    for connection, r in list(readers.items()):
+        try:
+            while connection.poll():
+                progressed |= r.receive(connection.recv(), now)
+        except (EOFError, OSError):
+            del readers[connection]
+    return progressed
 
 
-def _worker(rank, world, port, folder, model, plan, steps, meter, device, lr, timeout, return_grads, seed) -> None:
-    import datetime
+def _stalled(ranks, progress_timeout, now) -> str:
+    alive = [r for r in ranks if r.process.exitcode is None]
+    busy = [r for r in alive if r.busy and not r.done]
+    if busy:  # stuck in its own work (the others wait on it)
+        r = min(busy, key=lambda r: r.since)
+        who = f"rank {r.rank} made no progress for {now - r.since:.1f} s ({r.doing})"
+    else:
+        who = "every rank waits on another: " + "; ".join(f"rank {r.rank} made no progress for {now - r.since:.1f} s "
+                                                          f"({r.doing})" for r in alive)
+    return (f"pipeline run timed out after {progress_timeout:g} s (ranks {[r.rank for r in alive]} still running) "
+            f"without a finished step: {who}; give --progress-timeout more seconds if a step can take that long")
 
-    import torch.distributed as dist
 
+def _first_failure(ranks) -> str:
+    """The cause: the earliest failure that is not a lost connection to a peer, else the earliest."""
+    failures = []
+    for r in ranks:
+        if r.error is not None:
+            stamp, message, lost_peer = r.error
+            failures.append((lost_peer, stamp, r.rank, f"pipeline rank {r.rank} failed: {message}"))
+        elif r.died is not None:
+            code = r.process.exitcode
+            why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            failures.append((False, r.died, r.rank, f"pipeline rank {r.rank} died ({why}) without reporting an error"))
+    _, _, rank, message = min(failures)
+    after = sorted(f[2] for f in failures if f[2] != rank)
+    if after:
+        message += f"; then rank{'s' if len(after) > 1 else ''} {', '.join(map(str, after))} failed too"
+    return message
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (the process that launched it) dies, even by SIGKILL: the kernel's
+    parent-death signal on Linux, else a thread polling the parent's pid. Exits at once when the parent has
+    died already (while this process started)."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(ctypes.c_int(1), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                               ctypes.c_ulong(0)) == 0  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), name="memsched-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+class _Reporter:
+    """A rank's messages to the parent: ``doing`` (what it does, whether busy in its own work, whether it is a
+    setup milestone), ``step`` (a step finished), ``error``. The step being run is ``step``."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.step = 0
+
+    def send(self, *message) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # the parent is gone
+            os._exit(1)
+
+    def doing(self, what: str, busy: bool, milestone: bool = False) -> None:
+        self.send("doing", what, busy, milestone)
+
+    def waiting(self) -> None:
+        self.doing(f"step {self.step}: waiting for its peers", False)
+
+    def around(self, function, what: str, chunk=True):
+        """``function`` reported busy while it runs (``what`` of the micro-batch its first argument numbers)."""
+        def reported(*args, **kwargs):
+            self.doing(f"step {self.step}: {what}" + (f" of micro-batch {args[0]}" if chunk and args else ""), True)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.waiting()
+
+        return reported
+
+
+def _worker(rank, world, port, folder, connection, parent, model, plan, steps, meter, device, lr, progress_timeout,
+            return_grads, seed) -> None:
+    _die_with_parent(parent)
+    report = _Reporter(connection)
     try:
+        import datetime
+
+        import torch.distributed as dist
+        import torch.distributed.pipelining  # noqa: F401 - imported before the first report: the rank's start
+
+        import planner.executor  # noqa: F401
+
+        report.doing("joining the process group", False, milestone=True)
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         if device == "cuda":
@@ -281,20 +469,29 @@ def _worker(rank, world, port, folder, model, plan, steps, meter, device, lr, ti
             where = torch.device("cuda", rank)
         else:
             where = torch.device("cpu")
+        # The backend's own timeout is beyond the parent's (the rendezvous waits for the slowest start): the
+        # parent's message comes first.
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
-        try:
-            result = _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed)
-            torch.save(result, Path(folder) / f"rank{rank}.pt")
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+                                timeout=datetime.timedelta(seconds=max(progress_timeout, _STARTUP_TIMEOUT) + 60))
+        result = _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed, report)
+        report.doing("saving its results", True)
+        torch.save(result, Path(folder) / f"rank{rank}.pt")
+        report.doing("waiting for its peers to finish", False)
+        dist.barrier()
+        report.doing("leaving the process group", True, milestone=True)
+        dist.destroy_process_group()
+        report.send("done")  # what is left, the exit, is no step: not held to the progress timeout
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skips the interpreter's teardown of torch (seconds on a loaded machine): nothing is left to do
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line, before anything closes
         message = " ".join(f"{type(exc).__name__}: {exc}".split()) if not isinstance(exc, MemschedError) \
             else " ".join(str(exc).split())
+        lost_peer = isinstance(exc, torch.distributed.DistNetworkError) or any(text in message.lower()
+                                                                                for text in _PEER_LOST)
+        report.send("error", time.time(), message[:500], lost_peer)
         if os.environ.get("MEMSCHED_PIPELINE_TRACEBACK"):
             traceback.print_exc()
-        (Path(folder) / f"rank{rank}.err").write_text(f"{time.time()}\n{message[:500]}")
         os._exit(1)
 
 
@@ -311,12 +508,13 @@ class _Range(torch.nn.Module):
         return x
 
 
-def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed) -> RankResult:
+def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed, report) -> RankResult:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from planner.executor import apply_plan
     from planner.stages import preserved_state
 
+    report.doing("building its stage", True, milestone=True)
     torch.manual_seed(seed)
     built = model()
     micro = _check_model(built, plan)
@@ -357,9 +555,13 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
     loss_fn, target = (None, None)
     if rank == world - 1:
         loss_fn, target = micro_loss(built.loss_fn, whole, pipe.micro_batches)
+        loss_fn = report.around(loss_fn, "its loss", chunk=False)
         target = target.to(where)
     else:
         loss_fn = _unused_loss
+    # What the rank computes, reported busy; the schedule's communication between them is a wait on its peers.
+    stage.forward_one_chunk = report.around(stage.forward_one_chunk, "its stage's forward")
+    stage.backward_one_chunk = report.around(stage.backward_one_chunk, "its stage's backward")
     schedule_type = Schedule1F1B if pipe.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_type(stage, pipe.micro_batches, loss_fn=loss_fn)
 
@@ -372,12 +574,15 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
             p.grad = torch.zeros_like(p)
         optimizer.step()
 
+    report.doing("ready, waiting for its peers", False, milestone=True)
     losses, peaks, seconds, grads = [], [], [], None
-    for _ in range(steps):
+    for step in range(1, steps + 1):
+        report.step = step
         for p in parameters:
             p.grad = None
         stage.clear_runtime_states()  # what the engine kept of the last step: step() frees it first thing
         step_losses = []
+        report.waiting()
         with meter(where) as window:
             start = window.current
             started = time.perf_counter()
@@ -394,6 +599,7 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
             grads = {name: p.grad.detach().cpu().clone() for name, p in named if p.grad is not None}
         if optimizer is not None:
             optimizer.step()
+        report.send("step", step)
 
     input_bytes = input_args.numel() * input_args.element_size()
     output_bytes = output_args.numel() * output_args.element_size() if rank < world - 1 else 0

@@ -84,7 +84,8 @@ def model_of(spec, batch):
 def run(plan, steps=2):
     from planner.pipeline import run_pipeline
 
-    return run_pipeline(model_of(SPEC, M * MICRO), plan, steps, meter=memory_meter, return_grads=True, timeout=120)
+    return run_pipeline(model_of(SPEC, M * MICRO), plan, steps, meter=memory_meter,
+                        return_grads=True, progress_timeout=120)
 
 
 def check_peaks(results, tolerance=0.05):
@@ -180,7 +181,7 @@ def test_a_rank_that_dies_is_reported_in_one_line(chain):
 
     plan = plan_for(chain, "1f1b", tight=False)
     with pytest.raises(MemschedError) as caught:
-        run_pipeline(failing_model, plan, 1, meter=memory_meter, timeout=60)
+        run_pipeline(failing_model, plan, 1, meter=memory_meter, progress_timeout=60)
     message = str(caught.value)
     assert message.startswith("pipeline rank 1 failed:") and "stage broken on purpose" in message
     assert "\n" not in message
@@ -200,7 +201,8 @@ def test_gpt_tiny_integer_input_1f1b_equals_single_process(cut):
     micro = 2
     gpt_chain = profiled(GPT, micro)
     plan = store_all_split(gpt_chain, [(0, cut), (cut, gpt_chain.length)], M, "1f1b")
-    results = run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
+    results = run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter,
+                           return_grads=True, progress_timeout=120)
     check_training(results, GPT, M * micro)
     if cut > 1:
         check_peaks(results)
@@ -231,7 +233,7 @@ def test_a_hung_run_times_out_and_leaves_no_process(chain):
 
     plan = plan_for(chain, "1f1b", tight=False)
     with pytest.raises(MemschedError, match=r"timed out after 8 s \(ranks \[.*1\] still running\)"):
-        run_pipeline(hanging_model, plan, 1, meter=memory_meter, timeout=8)
+        run_pipeline(hanging_model, plan, 1, meter=memory_meter, progress_timeout=8)
     assert multiprocessing.active_children() == []
 
 
@@ -243,7 +245,8 @@ def test_gpipe_recomputing_devices_equal_single_process():
 
     long_chain = profiled(SPEC16, MICRO)
     plan = plan_for(long_chain, "gpipe", tight=True)
-    results = run_pipeline(model_of(SPEC16, M * MICRO), plan, 2, meter=memory_meter, return_grads=True, timeout=120)
+    results = run_pipeline(model_of(SPEC16, M * MICRO), plan, 2, meter=memory_meter,
+                           return_grads=True, progress_timeout=120)
     assert any(r.recomputes for r in results)
     check_training(results, SPEC16, M * MICRO)
     check_peaks(results)
