@@ -4,9 +4,11 @@ Argument parsing and printing only: the work is done by planner/ and
 solvers/, the text by planner/render.py and the PNGs by planner/plot.py.
 An expected error (:class:`planner.errors.MemschedError`) is printed as one
 line, ``memsched: error: <message>``, with exit status 2; so are usage errors.
+Ctrl-C prints ``memsched: interrupted`` and exits with status 130.
 """
 
 import argparse
+import os
 import sys
 
 import solvers
@@ -28,17 +30,29 @@ OFFLOAD_CURVES = ("pofo", "offload_greedy")  # pofo's table alone (not re-timed)
 def main(argv=None) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse has printed the usage error (status 2) or the help (status 0)
-        return exc.code
-    try:
-        for given in (getattr(args, name, None) for name in ("output", "plot")):  # refused before any work
-            if given:
-                output_path(given)
-        args.command(args)
-    except MemschedError as exc:
-        print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
-        return 2
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as exc:  # argparse has printed the usage error (status 2) or the help (status 0)
+            return exc.code
+        try:
+            for given in (getattr(args, name, None) for name in ("output", "plot")):  # refused before any work
+                if given:
+                    output_path(given)
+            args.command(args)
+        except MemschedError as exc:
+            print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C: the solvers stop within a second (solvers.limits.run_interruptibly)
+        print("memsched: interrupted", file=sys.stderr)
+        if argv is None:  # the program itself (not a caller's main([...])): exit now, not after freeing every
+            # object of a large model one by one, nor after a native solver that has not stopped yet
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(130)
+        return 130
     return 0
 
 

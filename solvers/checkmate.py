@@ -96,6 +96,7 @@ import numpy as np
 from planner.errors import MemschedError
 from planner.graph import Graph, schedule_with_frees
 from planner.graph_simulator import GraphSimulator
+from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, run_interruptibly
 
 BACKENDS = ("highs", "cbc")
 _THREADS = 2
@@ -103,6 +104,10 @@ _EXCLUSIVE = True  # R + S <= 1
 _USED = True  # R[t,i] <= S[t+1,i] + Σ R[t,c]
 _LP_FIRST = True  # with a time limit, solve the LP relaxation first (bound and roundings)
 _LP_SHARE = 0.85  # of the time left after the heuristic (if the LP does not finish, neither would the MILP)
+_LP_FIRST_COST = 2.0  # the LP first only with at least this many times the model's building time left
+_CHILD_ABOVE = 4000  # columns: HiGHS runs in a child process above (see _solve_highs)
+_KILL_GRACE = 0.3  # seconds past the deadline before a HiGHS child is killed
+_MARGIN = 0.05  # seconds (and 1% of the limit) kept for reading and replaying the schedule
 _ONE = (-1, 1.0)  # a term: (column, constant); column -1 is the constant
 _ZERO = (-1, 0.0)
 
@@ -131,11 +136,20 @@ def _silence_highs_banner() -> None:
 
 
 class NoSchedule(MemschedError):
-    """The solver found no schedule: the budget is infeasible (``proven``) or the time limit ran out first."""
+    """The solver found no schedule: the budget is infeasible (``proven``) or the time limit ran out first
+    (``enough``: seconds of time limit to suggest instead, when known)."""
 
-    def __init__(self, message: str, proven: bool):
+    def __init__(self, message: str, proven: bool, enough: float = None):
         super().__init__(message)
         self.proven = proven
+        self.enough = enough
+
+
+def _out_of_time(time_limit: float, exc: TimeLimitReached, size: str) -> NoSchedule:
+    """The time limit ran out in a phase before any schedule existed: what to give instead."""
+    return NoSchedule(f"the time limit ({time_limit:g} s) ran out before any schedule was found (while {exc.what}: "
+                      f"{size}, {100 * exc.done:.0f}% done)", proven=False,
+                      enough=enough_time(max(3 * exc.needed(), exc.needed() + 5)))
 
 
 @dataclass(frozen=True)
@@ -156,7 +170,8 @@ class CheckmateModel:
     peak memory instead of the time (the least memory of any schedule of the class).
     """
 
-    def __init__(self, graph: Graph, budget, relaxed: bool = False):
+    def __init__(self, graph: Graph, budget, relaxed: bool = False, deadline: Deadline = None):
+        started = time.perf_counter()
         self.graph = graph
         self.budget = budget
         self.relaxed = relaxed
@@ -177,6 +192,9 @@ class CheckmateModel:
         self.infeasible_constant = False
         self.solution = self.row_dual = None  # set by solve (row_dual: relaxed models on HiGHS)
         self.R, self.S = {}, {}
+        # building is most of a time-limited solve on large graphs: the deadline is checked as it goes (a rough
+        # measure of the work: the variable rows first, then each stage's rows, about 12 times its variables)
+        progress, done = Progress(deadline, "building the model", 1), 0
         for t in range(n):
             for i in range(t):
                 if recomputable[i] and last_use[i] >= t:
@@ -198,6 +216,10 @@ class CheckmateModel:
             return _ZERO if col is None else (col, 0.0)
 
         self._r, self._s = r, s
+        per_stage = [1] * n
+        for t, _ in self.R:
+            per_stage[t] += 1
+        progress.total = 3 * len(self.R) + 12 * sum(per_stage)
         if budget is None:
             self.peak = self._column(0.0, math.inf, 1.0, False)
             available = None
@@ -214,13 +236,16 @@ class CheckmateModel:
         if _EXCLUSIVE:
             for (t, i), col in self.R.items():
                 self._row([(1.0, (col, 0.0)), (1.0, (self.S[t, i], 0.0))], -math.inf, 1.0)
+        progress.step(done := done + len(self.R))
         for (t, i), col in self.S.items():
             if t + 1 < n and (t + 1, i) in self.S:
                 self._row([(1.0, (self.S[t + 1, i], 0.0)), (-1.0, (col, 0.0)), (-1.0, r(t, i))], -math.inf, 0.0)
+        progress.step(done := done + len(self.R))
         for (t, i), col in (self.R.items() if _USED else ()):  # a recomputation is read in its stage or carried on
             pairs = [(1.0, (col, 0.0)), (-1.0, s(t + 1, i))]
             pairs += [(-1.0, r(t, c)) for c in consumers[i] if c == t or (t, c) in self.R]
             self._row(pairs, -math.inf, 0.0)
+        progress.step(done := done + len(self.R))
         live = [0] * n  # bytes of the values with a variable in each stage
         for t, i in self.S:
             live[t] += nodes[i].out_bytes
@@ -242,6 +267,8 @@ class CheckmateModel:
                 self._stage_memory(t, r, s, size, tmp, available)
             if nodes[t].keep:
                 keep_before += nodes[t].out_bytes
+            progress.step(done := done + 12 * per_stage[t])
+        self.build_seconds = time.perf_counter() - started
 
     # --- building blocks -------------------------------------------------------------------------
 
@@ -255,20 +282,29 @@ class CheckmateModel:
 
     def _row(self, pairs, lower, upper) -> None:
         """Add ``lower <= Σ coef * term <= upper`` (constants moved into the bounds, repeated columns summed)."""
-        coefs, constant = {}, 0.0
+        # (building is most of a time-limited solve at 200 nodes: lists, and a dict only for repeated columns)
+        cols, vals, constant = [], [], 0.0
         for coef, (col, value) in pairs:
             if col < 0:
                 constant += coef * value
             else:
+                cols.append(col)
+                vals.append(coef)
+        if len(set(cols)) < len(cols):  # summed in their first position
+            coefs = {}
+            for col, coef in zip(cols, vals):
                 coefs[col] = coefs.get(col, 0.0) + coef
-        coefs = {col: coef for col, coef in coefs.items() if coef != 0.0}
+            cols, vals = list(coefs), list(coefs.values())
+        if 0.0 in vals:
+            kept = [(col, coef) for col, coef in zip(cols, vals) if coef != 0.0]
+            cols, vals = [col for col, _ in kept], [coef for _, coef in kept]
         lower, upper = lower - constant, upper - constant
-        if not coefs:
+        if not cols:
             if lower > 1e-9 or upper < -1e-9:
                 self.infeasible_constant = True
             return
-        self.row_cols.append(list(coefs))
-        self.row_vals.append(list(coefs.values()))
+        self.row_cols.append(cols)
+        self.row_vals.append(vals)
         self.row_lower.append(lower)
         self.row_upper.append(upper)
 
@@ -402,25 +438,30 @@ class CheckmateModel:
             return None
         return value
 
-    def solve(self, backend: str = "highs", time_limit=None, gap: float = 0.0, start_order=None) -> MilpResult:
-        """Solve with ``backend`` (from the compute order ``start_order`` when given and valid); raise
+    def solve(self, backend: str = "highs", time_limit=None, gap: float = 0.0, start_order=None,
+              start=None) -> MilpResult:
+        """Solve with ``backend`` (from the compute order ``start_order``, or the column values ``start``, when
+        given and valid) within ``time_limit`` (seconds from now, or a :class:`solvers.limits.Deadline`); raise
         :class:`NoSchedule` when there is no solution (infeasible or out of time)."""
         if backend not in BACKENDS:
             raise MemschedError(f"checkmate: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.infeasible_constant:
             raise NoSchedule("no schedule of this class fits the budget (proven infeasible)", proven=True)
-        start = None if start_order is None or self.relaxed else self.start_vector(start_order)
+        deadline = Deadline.of(time_limit)
+        if start is None and start_order is not None and not self.relaxed:
+            start = self.start_vector(start_order)
         if backend == "highs":
-            found, proven, objective, bound, values = self._solve_highs(time_limit, gap, start)
+            found, proven, objective, bound, values = self._solve_highs(deadline, gap, start)
         else:
-            found, proven, objective, bound, values = self._solve_cbc(time_limit, gap, start)
+            found, proven, objective, bound, values = self._solve_cbc(deadline, gap, start)
         if not found and start is not None and not proven:
-            # the solver stopped before it even took up the start (CBC on large models): the start is feasible
+            # the solver stopped before it even took up the start (CBC on large models, or a time limit that ran
+            # out before the solver started): the start is feasible
             found, objective, bound, values = True, float(np.dot(self.col_cost, start)), None, start
         if not found and proven:
             raise NoSchedule("no schedule of this class fits the budget (proven infeasible)", proven=True)
         if not found:
-            raise NoSchedule(f"the time limit ({time_limit} s) ran out before any schedule was found", proven=False)
+            raise NoSchedule("the time limit ran out before any schedule was found", proven=False)
         self.solution = values
         total = objective + self.objective_offset
         gap_value = None
@@ -467,85 +508,129 @@ class CheckmateModel:
         """``(bound, values)``: the LP relaxation of this model by CLP's dual simplex (the CBC binary bundled with
         pulp: on these models many times faster than HiGHS's simplex or interior point method), a lower bound on
         the objective (offset included) that holds whatever the solution's accuracy (:meth:`safe_bound` of its
-        row multipliers), and its column values; ``(None, None)`` when it is not solved in time."""
-        found, finished, _, _, values = self._solve_cbc(time_limit, 0.0, None, relax=True)
+        row multipliers), and its column values; ``(None, None)`` when it is not solved in time (``time_limit``:
+        seconds from now, or a :class:`solvers.limits.Deadline`)."""
+        found, finished, _, _, values = self._solve_cbc(Deadline.of(time_limit), 0.0, None, relax=True)
         if not (found and finished) or self.row_dual is None:
             return None, None
         return self.safe_bound(self.row_dual), values
 
     def _highs_model(self, offset: bool, integral: bool = True):
-        highspy = _highspy()
-        lp = highspy.HighsLp()
-        lp.num_col_ = len(self.col_lower)
-        lp.num_row_ = len(self.row_lower)
-        lp.col_cost_ = np.asarray(self.col_cost, dtype=float)
-        lp.col_lower_ = np.asarray(self.col_lower, dtype=float)
-        lp.col_upper_ = np.asarray(self.col_upper, dtype=float)
-        lp.row_lower_ = np.asarray(self.row_lower, dtype=float)
-        lp.row_upper_ = np.asarray(self.row_upper, dtype=float)
-        start, index, value = self.matrix
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = start.astype(np.int32)
-        lp.a_matrix_.index_ = index
-        lp.a_matrix_.value_ = value
-        if integral and not self.relaxed:
-            lp.integrality_ = [highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
-                               for integer in self.col_integer]
-        if offset:
-            lp.offset_ = self.objective_offset
-        highs = highspy.Highs()
-        highs.setOptionValue("output_flag", False)
-        highs.setOptionValue("threads", _THREADS)
-        highs.passModel(lp)
-        return highs
+        """A HiGHS instance holding this model (integrality only with ``integral``, the offset with ``offset``)."""
+        arrays = self._highs_arrays(None)
+        if not integral:
+            arrays["integral"] = None
+        if not offset:
+            arrays["offset"] = 0.0
+        return _highs_instance(_highspy(), arrays, {"output_flag": False, "threads": _THREADS})
 
-    def _solve_highs(self, time_limit, gap, start):
-        """(found, finished: optimal or proven infeasible, objective, bound, column values); objective and bound
-        without the offset."""
-        highspy = _highspy()
-        began = time.perf_counter()
-        highs = self._highs_model(offset=True)
-        highs.setOptionValue("mip_rel_gap", float(gap))
-        highs.setOptionValue("mip_abs_gap", 0.0)
-        if time_limit is not None:
-            highs.setOptionValue("time_limit", float(time_limit))
+    def _highs_options(self, gap) -> dict:
+        options = {"output_flag": False, "threads": _THREADS, "mip_rel_gap": float(gap), "mip_abs_gap": 0.0}
         if self.relaxed:  # rounding needs values, not a vertex: the interior point method without crossover
-            highs.setOptionValue("solver", "ipm")
-            highs.setOptionValue("run_crossover", "off")
-        if start is not None:
-            solution = highspy.HighsSolution()
-            solution.col_value = start.tolist()
-            solution.value_valid = True
-            highs.setSolution(solution)
-        highs.run()
-        status = highs.getModelStatus()
-        info = highs.getInfo()
-        found = info.primal_solution_status == 2 and status != highspy.HighsModelStatus.kInfeasible
-        finished = status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
-        objective = info.objective_function_value - self.objective_offset
+            options.update(solver="ipm", run_crossover="off")
+        return options
+
+    def _solve_highs(self, deadline: Deadline, gap, start):
+        """(found, finished: optimal or proven infeasible, objective, bound, column values); objective and bound
+        without the offset.
+
+        HiGHS does not look at its clock (nor at an interrupt) in every phase: on models of 50,000 columns and
+        more its setup after presolve runs for seconds past any time limit. Models above :data:`_CHILD_ABOVE`
+        columns are therefore solved in a child process, killed :data:`_KILL_GRACE` seconds past the deadline
+        (or at once on Ctrl-C); smaller ones here, in a thread that Ctrl-C interrupts (HiGHS's interrupt
+        callback). A solve that the deadline leaves no time for is not started."""
+        left = deadline.left()
+        if left is not None and left <= 0.0:
+            return False, False, math.nan, None, None
+        options = self._highs_options(gap)
+        if len(self.col_lower) > _CHILD_ABOVE:
+            outcome = self._highs_child(options, start, deadline)
+        else:
+            outcome = self._highs_here(options, start, deadline)
+        if outcome is None:  # killed at the deadline
+            return False, False, math.nan, None, None
+        status, primal_valid, objective, dual_bound, values, row_dual = outcome
+        found = primal_valid and status != "infeasible"
+        finished = status in ("optimal", "infeasible")
+        objective -= self.objective_offset
         bound = None
-        if not self.relaxed and math.isfinite(info.mip_dual_bound):
-            bound = info.mip_dual_bound - self.objective_offset
-        values = np.asarray(highs.getSolution().col_value) if found else None
-        self.row_dual = np.asarray(highs.getSolution().row_dual) if found and self.relaxed else None
+        if not self.relaxed and math.isfinite(dual_bound):
+            bound = dual_bound - self.objective_offset
+        values = np.asarray(values) if found else None
+        self.row_dual = np.asarray(row_dual) if found and self.relaxed else None
         if values is not None and start is not None:
             # HiGHS 1.16 can report the optimum yet hand back the start's values (seen when presolve solves the
             # whole model): trust the values only when their objective is the one reported, else solve again
-            # without the start
+            # without the start (when there is time for it; else the start is kept, not proven)
             recomputed = float(np.dot(self.col_cost, values))
             if abs(recomputed - objective) > 1e-6 * max(1.0, abs(objective)):
-                if time_limit is not None:
-                    time_limit = max(0.01, time_limit - (time.perf_counter() - began))
-                return self._solve_highs(time_limit, gap, None)
+                if deadline.passed():
+                    return False, False, math.nan, None, None
+                return self._solve_highs(deadline, gap, None)
         return found, finished, objective, bound, values
 
-    def _solve_cbc(self, time_limit, gap, start, relax=False):
+    def _highs_arrays(self, start) -> dict:
+        """The model as arrays for :func:`_highs_instance` (with the column values ``start`` as its start)."""
+        start_row, index, value = self.matrix
+        arrays = {name: np.asarray(getattr(self, name), dtype=float)
+                  for name in ("col_cost", "col_lower", "col_upper", "row_lower", "row_upper")}
+        arrays.update(start=start_row.astype(np.int32), index=index, value=value, offset=self.objective_offset,
+                      integral=None if self.relaxed else np.asarray(self.col_integer, dtype=bool),
+                      solution=None if start is None else np.asarray(start, dtype=float))
+        return arrays
+
+    def _highs_here(self, options, start, deadline):
+        """Solve in this process (a thread Ctrl-C interrupts): the outcome tuple of :func:`_highs_outcome`."""
+        highspy = _highspy()
+        arrays = self._highs_arrays(start)
+        left = deadline.left()
+        if left is not None:
+            options = dict(options, time_limit=max(0.01, left))
+        highs = _highs_instance(highspy, arrays, options)
+        highs.HandleUserInterrupt = True  # lets cancelSolve stop it
+        run_interruptibly(highs.run, highs.cancelSolve)
+        return _highs_outcome(highspy, highs, self.relaxed)
+
+    def _highs_child(self, options, start, deadline):
+        """Solve in a child process (see :meth:`_solve_highs`): the outcome tuple, or None when it was killed at
+        the deadline."""
+        import pickle
+
+        left = deadline.left()
+        job = pickle.dumps({"arrays": self._highs_arrays(start), "options": options, "relaxed": self.relaxed,
+                            "deadline": None if left is None else time.monotonic() + left},
+                           protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            child = subprocess.Popen([sys.executable, "-c", _HIGHS_CHILD], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError:  # no interpreter to start (an embedded Python): here, then
+            return self._highs_here(options, start, deadline)
+        try:
+            left = deadline.left()
+            try:
+                out, err = child.communicate(job, timeout=None if left is None else max(0.1, left + _KILL_GRACE))
+            except subprocess.TimeoutExpired:
+                return None
+        finally:  # killed at the deadline, on Ctrl-C, or on any error here
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if child.returncode != 0 or not out:
+            raise MemschedError(f"checkmate: HiGHS failed in its child process (exit status {child.returncode}): "
+                                f"{err.decode(errors='replace').strip()[-300:]}")
+        return pickle.loads(out)
+
+    def _solve_cbc(self, deadline: Deadline, gap, start, relax=False):
         """As :meth:`_solve_highs`, with the CBC binary bundled with pulp on an MPS file of the same matrix (with
-        ``relax`` or a relaxed model: its LP relaxation by CLP's dual simplex, row multipliers in ``row_dual``)."""
+        ``relax`` or a relaxed model: its LP relaxation by CLP's dual simplex, row multipliers in ``row_dual``).
+        CBC runs as a child process: killed past the deadline, or on Ctrl-C."""
         from pulp.apis import coin_api
 
         relax = relax or self.relaxed
+        if deadline.passed():
+            return False, False, math.nan, None, None
         began = time.perf_counter()
+        time_limit = deadline.left()
         path = coin_api.PULP_CBC_CMD.pulp_cbc_path  # the CBC binary bundled with pulp
         highs = self._highs_model(offset=False, integral=not relax)
         with tempfile.TemporaryDirectory(prefix="memsched-cbc-") as folder:
@@ -560,12 +645,14 @@ class CheckmateModel:
                 args += ["-mips", mipstart]
             if time_limit is not None:  # CBC's clock starts after it read the file: leave it time for that
                 writing = time.perf_counter() - began
-                args += ["-timeMode", "elapsed", "-sec", str(max(0.5, 0.9 * time_limit - 2.0 * writing))]
+                if time_limit - 2.0 * writing <= 0.0:  # no time left for CBC to read the file and solve
+                    return False, False, math.nan, None, None
+                args += ["-timeMode", "elapsed", "-sec", str(max(0.1, 0.9 * time_limit - 2.0 * writing))]
             args += ["-ratio", str(gap), "-allow", "0", "-threads", str(_THREADS)]
             args += ["-solve" if not relax else "-dualSimplex", "-printingOptions", "all", "-solution", solution]
             # CBC overruns "-sec" in phases it does not check the clock (seen: 99 s for 60 s at 300 nodes); past
             # the limit it is stopped, and the caller falls back on the start schedule, which is feasible
-            hard_limit = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - began))
+            hard_limit = None if time_limit is None else max(0.1, deadline.left() + _KILL_GRACE)
             try:
                 run = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      text=True, check=False, timeout=hard_limit)
@@ -615,43 +702,154 @@ class CheckmateModel:
         return float(self.solution[self.peak]) * self.unit_mem
 
 
+def _highs_instance(highspy, arrays, options):
+    """A HiGHS instance with the model of ``arrays`` (:meth:`CheckmateModel._highs_arrays`: row-wise matrix,
+    integrality, offset and an optional start ``solution``) and ``options``. Self-contained: the HiGHS child
+    process runs its source (``_HIGHS_CHILD``)."""
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(arrays["col_cost"])
+    lp.num_row_ = len(arrays["row_lower"])
+    lp.col_cost_ = arrays["col_cost"]
+    lp.col_lower_ = arrays["col_lower"]
+    lp.col_upper_ = arrays["col_upper"]
+    lp.row_lower_ = arrays["row_lower"]
+    lp.row_upper_ = arrays["row_upper"]
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = arrays["start"]
+    lp.a_matrix_.index_ = arrays["index"]
+    lp.a_matrix_.value_ = arrays["value"]
+    if arrays["integral"] is not None:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
+                           for integer in arrays["integral"]]
+    if arrays["offset"]:
+        lp.offset_ = arrays["offset"]
+    highs = highspy.Highs()
+    for key, value in options.items():
+        highs.setOptionValue(key, value)
+    highs.passModel(lp)
+    if arrays["solution"] is not None:
+        solution = highspy.HighsSolution()
+        solution.col_value = arrays["solution"].tolist()
+        solution.value_valid = True
+        highs.setSolution(solution)
+    return highs
+
+
+def _highs_outcome(highspy, highs, relaxed):
+    """``(status, primal_valid, objective, dual_bound, col_values, row_dual)`` of a solved HiGHS instance: status
+    "optimal", "infeasible" or HiGHS's name; values only when there is a primal solution (row multipliers for a
+    relaxed model). Self-contained, as :func:`_highs_instance`."""
+    status = highs.getModelStatus()
+    name = ("optimal" if status == highspy.HighsModelStatus.kOptimal else
+            "infeasible" if status == highspy.HighsModelStatus.kInfeasible else str(status))
+    info = highs.getInfo()
+    valid = info.primal_solution_status == 2
+    solution = highs.getSolution() if valid else None
+    return (name, valid, float(info.objective_function_value), float(info.mip_dual_bound),
+            None if solution is None else list(solution.col_value),
+            list(solution.row_dual) if solution is not None and relaxed else None)
+
+
+_HIGHS_CHILD_MAIN = """
+import os, pickle, sys, time
+out = os.fdopen(os.dup(1), "wb")  # the result; HiGHS's banner goes to /dev/null
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+try:  # killed with the parent
+    import ctypes, signal
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+except Exception:
+    pass
+import highspy
+job = pickle.load(sys.stdin.buffer)
+options = dict(job["options"])
+highs = _highs_instance(highspy, job["arrays"], options)
+if job["deadline"] is not None:
+    highs.setOptionValue("time_limit", max(0.01, job["deadline"] - time.monotonic()))
+highs.run()
+pickle.dump(_highs_outcome(highspy, highs, job["relaxed"]), out, protocol=pickle.HIGHEST_PROTOCOL)
+out.flush()
+"""
+
+
+def _child_script() -> str:
+    """The HiGHS child process's program: :func:`_highs_instance`, :func:`_highs_outcome` and the main part (their
+    source read once, at import, while it is the code running here)."""
+    import inspect
+
+    return "\n".join([inspect.getsource(_highs_instance), inspect.getsource(_highs_outcome), _HIGHS_CHILD_MAIN])
+
+
+_HIGHS_CHILD = _child_script()
+
+
 def checkmate(graph: Graph, budget: int, backend: str = "highs", time_limit=None, gap: float = 0.0):
     """The fastest frontier-advancing schedule within ``budget`` bytes (proven optimal unless a time limit stopped
-    the search, or ``gap`` > 0 allowed one relatively that far from the bound)."""
+    the search, or ``gap`` > 0 allowed one relatively that far from the bound).
+
+    ``time_limit`` (seconds) is a deadline for the whole solve: the greedy start, building the model, the LP
+    first, its roundings and the MILP each get only what is left of it. When it runs out before the MILP
+    could run, the best schedule so far (the greedy start, or a rounding of the LP) is returned, not proven
+    optimal; when there is none, :class:`NoSchedule` says what time limit to give instead.
+    """
     from solvers.graph import GraphSolution
     from solvers.graph_heuristic import greedy_order
 
-    started = time.perf_counter()
-
-    def remaining():  # less a margin for reading the schedule and replaying it after the solver stops
-        return None if time_limit is None else max(0.01, 0.98 * time_limit - 0.3 - (time.perf_counter() - started))
-
-    heuristic_limit = 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit))
-    start_order = greedy_order(graph, budget, heuristic_limit)
-    model = CheckmateModel(graph, budget)
-    lower = None
-    if time_limit is not None and _LP_FIRST and backend == "highs":
-        # a time limit may stop the MILP before its root LP: first the LP by the interior point method, for a
-        # bound that holds whatever happens next, and its roundings, for a better start
-        lower, values = model.relaxation(_LP_SHARE * remaining())
-        if values is not None:
-            simulator = GraphSimulator(graph)
-            found = _best_rounding(graph, {key: values[col] for key, col in model.S.items()}, budget, 8,
-                                   np.random.default_rng(0), simulator)
-            if found is not None and (start_order is None or found[0] < simulator.run(
-                    schedule_with_frees(graph, start_order)).time):
-                start_order = found[1]
+    margin = 0.0 if time_limit is None else _MARGIN + 0.01 * time_limit  # for reading and replaying the schedule
+    solve_by = Deadline(None if time_limit is None else max(0.0, time_limit - margin))
     params = {"backend": backend} if time_limit is None else {"backend": backend, "time_limit": time_limit}
     if gap:
         params["gap"] = gap
-    if lower is not None and start_order is not None:
-        start = model.start_vector(start_order)
-        if start is not None:  # the start may already be within the gap asked for of the LP's bound
-            upper = float(np.dot(model.col_cost, start)) + model.objective_offset
-            if upper - lower <= max(gap, 1e-9) * upper:
-                return GraphSolution(schedule_with_frees(graph, start_order), params=params,
-                                     optimal=upper - lower <= 1e-9 * upper, gap=max(0.0, (upper - lower) / upper))
-    result = model.solve(backend, remaining(), gap, start_order=start_order)
+    heuristic_limit = 5.0 if time_limit is None else max(0.0, min(5.0, 0.1 * time_limit))
+    start_order = greedy_order(graph, budget, heuristic_limit)
+    simulator = GraphSimulator(graph)
+    lower = None  # a lower bound on the step time (model units, offset included), from the LP
+
+    def best_so_far():  # when the time runs out before the MILP: the start, with its gap to the bound
+        if start_order is None:
+            return None
+        seconds = simulator.run(schedule_with_frees(graph, start_order)).time
+        bound = graph.compute_time if lower is None else lower * model.unit_time
+        return GraphSolution(schedule_with_frees(graph, start_order), params=params, optimal=False,
+                             gap=max(0.0, (seconds - bound) / seconds) if seconds > 0 else 0.0)
+
+    model = None
+    try:
+        model = CheckmateModel(graph, budget, deadline=solve_by)
+    except TimeLimitReached as exc:
+        if start_order is not None:
+            return best_so_far()
+        raise _out_of_time(time_limit, exc, f"{graph.size} nodes") from None
+    left = solve_by.left()
+    if left is not None and _LP_FIRST and backend == "highs" and left > _LP_FIRST_COST * model.build_seconds:
+        # a time limit may stop the MILP before its root LP: first the LP by the interior point method, for a
+        # bound that holds whatever happens next, and its roundings, for a better start
+        lower, values = model.relaxation(_LP_SHARE * left)
+        if values is not None:
+            found = _best_rounding(graph, {key: values[col] for key, col in model.S.items()}, budget, 8,
+                                   np.random.default_rng(0), simulator, solve_by)
+            if found is not None and (start_order is None or found[0] < simulator.run(
+                    schedule_with_frees(graph, start_order)).time):
+                start_order = found[1]
+    if solve_by.passed() and start_order is not None:
+        return best_so_far()
+    start = None if start_order is None else model.start_vector(start_order)
+    if lower is not None and start is not None:  # the start may already be within the gap asked for of the LP's bound
+        upper = float(np.dot(model.col_cost, start)) + model.objective_offset
+        if upper - lower <= max(gap, 1e-9) * upper:
+            return GraphSolution(schedule_with_frees(graph, start_order), params=params,
+                                 optimal=upper - lower <= 1e-9 * upper, gap=max(0.0, (upper - lower) / upper))
+    if solve_by.passed() and start_order is not None:
+        return best_so_far()
+    try:
+        result = model.solve(backend, solve_by, gap, start=start)
+    except NoSchedule as exc:
+        if exc.proven or time_limit is None:
+            raise
+        if start_order is None:
+            raise NoSchedule(f"the time limit ({time_limit:g} s) ran out before any schedule was found (the greedy "
+                             f"start found none within the budget; the model took {model.build_seconds:.1f} s to "
+                             "build)", proven=False, enough=enough_time(4 * time_limit)) from None
+        return best_so_far()  # a start the model cannot take (outside its class) is still a schedule
     optimal, gap_value = result.optimal, result.gap
     if not optimal and lower is not None and result.objective:
         gap_value = min(gap_value, max(0.0, (result.objective - lower) / result.objective))
@@ -690,26 +888,36 @@ def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int
 
     rng = np.random.default_rng(seed)
     simulator = GraphSimulator(graph)
-    started = time.perf_counter()
+    deadline = Deadline(None if time_limit is None else max(0.0, time_limit - _MARGIN - 0.01 * time_limit))
     best = None
     bound = None  # a lower bound on the step time: from the LP at the true budget
+    stopped = None  # the phase the deadline stopped, if any
     for fraction in (1.0, 0.9, 0.8, 0.65, 0.5):
-        remaining = None if time_limit is None else time_limit - (time.perf_counter() - started)
-        if remaining is not None and remaining <= 0:
+        if fraction < 1.0 and deadline.passed():  # the first model is built in any case: it says how far it got
             break
         target = graph.fixed_bytes + int((budget - graph.fixed_bytes) * fraction)
-        model = CheckmateModel(graph, target, relaxed=True)
         try:
-            model.solve(backend, remaining)
+            model = CheckmateModel(graph, target, relaxed=True, deadline=deadline)
+        except TimeLimitReached as exc:
+            stopped = exc
+            break
+        try:
+            model.solve(backend, deadline)
         except NoSchedule:
             continue
         if fraction == 1.0 and model.row_dual is not None:
             bound = model.safe_bound(model.row_dual) * model.unit_time
-        found = _best_rounding(graph, model.values(model.S), budget, samples, rng, simulator)
+        found = _best_rounding(graph, model.values(model.S), budget, samples, rng, simulator, deadline)
         if found is not None and (best is None or found[0] < best[0]):
             best = (found[0], schedule_with_frees(graph, found[1]))
         if best is not None:
             break
+    if best is None and stopped is not None:
+        raise _out_of_time(time_limit, stopped, f"{graph.size} nodes")
+    if best is None and deadline.passed():
+        raise NoSchedule(f"the time limit ({time_limit:g} s) ran out before any schedule was found (no rounding "
+                         "of the LP relaxation fitted the budget by then)",
+                         proven=False, enough=enough_time(4 * time_limit))
     if best is None:
         raise NoSchedule("no rounding of the LP relaxation fits the budget (the budget may still be feasible: "
                          "try --solver checkmate)", proven=False)
@@ -720,14 +928,17 @@ def checkmate_lp(graph: Graph, budget: int, backend: str = "highs", samples: int
     return GraphSolution(best[1], params=params, optimal=False, gap=gap)
 
 
-def _best_rounding(graph: Graph, values: dict, budget: int, samples: int, rng, simulator=None):
+def _best_rounding(graph: Graph, values: dict, budget: int, samples: int, rng, simulator=None,
+                   deadline: Deadline = None):
     """``(seconds, compute order)`` of the fastest rounding of the LP values ``S[t,i]`` (``values``) that fits the
-    budget (deterministic at 1/2, then ``samples`` randomised), or None."""
+    budget (deterministic at 1/2, then ``samples`` randomised, as far as ``deadline`` allows), or None."""
     simulator = simulator or GraphSimulator(graph)
     keys = list(values)
     kept = [{i for i in range(t) if graph.nodes[i].keep} for t in range(graph.size)]
     best = None
-    for draw in [np.full(len(keys), 0.5)] + [rng.random(len(keys)) for _ in range(samples)]:
+    for number, draw in enumerate([np.full(len(keys), 0.5)] + [rng.random(len(keys)) for _ in range(samples)]):
+        if number and deadline is not None and deadline.passed():
+            break
         checkpoints = [set(k) for k in kept]
         for (t, i), u in zip(keys, draw):
             if values[t, i] > u:
@@ -740,12 +951,13 @@ def _best_rounding(graph: Graph, values: dict, budget: int, samples: int, rng, s
 
 
 def least_peak(graph: Graph, backend: str = "highs", time_limit=None):
-    """(bytes, proven): the least peak of any frontier-advancing schedule, or when the time limit stops the
-    search first, the solver's lower bound on it (``proven`` False). ``fixed_bytes`` included."""
-    model = CheckmateModel(graph, None)
+    """(bytes, proven): the least peak of any frontier-advancing schedule, or ``(None, False)`` when the time
+    limit (building the model included) stops the search first. ``fixed_bytes`` included."""
+    deadline = Deadline(time_limit)
     try:
-        result = model.solve(backend, time_limit)
-    except NoSchedule:
+        model = CheckmateModel(graph, None, deadline=deadline)
+        result = model.solve(backend, deadline)
+    except (NoSchedule, TimeLimitReached):
         return None, False
     if result.optimal:
         peak = GraphSimulator(graph).run(schedule_with_frees(graph, result.order)).peak_bytes

@@ -16,6 +16,7 @@ from planner.graph import Graph, store_all_graph_schedule
 from planner.graph_simulator import GraphSimulator
 from planner.plan import Plan, Predicted
 from planner.units import format_bytes
+from solvers.limits import Deadline
 from solvers.result import solver_params
 
 
@@ -34,6 +35,10 @@ def store_all(graph: Graph, budget: int) -> GraphSolution:
     """Every node once, in index order, each value freed after its last consumer: optimal whenever it fits."""
     return GraphSolution(store_all_graph_schedule(graph), optimal=True, gap=0.0)
 
+
+# a time limit is kept to within this (seconds, or this fraction of it when larger): the solvers check their
+# deadline between the pieces of their work, and a piece that has started runs to its end
+TIME_LIMIT_TOLERANCE = (1.0, 0.1)
 
 # solver name -> (module, function); imported on first use
 GRAPH_SOLVERS = {
@@ -67,10 +72,12 @@ def graph_lower_bound(graph: Graph) -> int:
 
 def graph_minimum(graph: Graph, time_limit: float = 10.0):
     """``(bytes, exact)``: the least peak of any frontier-advancing schedule (Checkmate's MILP with the peak as
-    objective, ``exact`` True), or when it is not proven within ``time_limit`` seconds,
-    :func:`graph_lower_bound` (``exact`` False)."""
+    objective, ``exact`` True), or when it is not proven within ``time_limit`` seconds (building the model
+    included; None: no limit), :func:`graph_lower_bound` (``exact`` False)."""
     from solvers.checkmate import least_peak
 
+    if time_limit is not None and time_limit <= 0:
+        return graph_lower_bound(graph), False
     peak, proven = least_peak(graph, time_limit=time_limit)
     return (peak, True) if proven else (graph_lower_bound(graph), False)
 
@@ -80,7 +87,13 @@ def choose_graph_solver(graph: Graph, budget: int) -> str:
     return "store_all" if budget >= store_all_graph_peak(graph) else "checkmate"
 
 
-def _infeasible(graph: Graph, budget: int, what: str, minimum_time_limit: float) -> MemschedError:
+def _infeasible(graph: Graph, budget: int, what: str, minimum_time_limit: float, deadline=None) -> MemschedError:
+    """The error of a budget proven infeasible, with the least memory searched for within ``minimum_time_limit``
+    seconds and what is left of the solve's ``deadline`` (:class:`solvers.limits.Deadline`)."""
+    left = None if deadline is None else deadline.left()
+    if left is not None:
+        left -= 0.1  # for the message
+        minimum_time_limit = left if minimum_time_limit is None else min(minimum_time_limit, left)
     minimum, exact = graph_minimum(graph, minimum_time_limit)
     if exact:
         least = (f"the least memory of any frontier-advancing schedule is {format_bytes(minimum)} ({minimum} bytes)")
@@ -94,12 +107,15 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
                 minimum_time_limit: float = 10.0, **params) -> Plan:
     """The plan ``solver`` finds for ``graph`` within ``budget`` bytes, its figures from the graph simulator.
 
-    ``time_limit`` (seconds) bounds the search of the solvers that take one;
-    the plan then says whether the schedule is proven optimal. Raises
-    :class:`MemschedError` for an unknown solver or parameter, a budget no
-    schedule fits (the message states the least memory found, searched for at
-    most ``minimum_time_limit`` seconds), a time limit reached before any
-    schedule was found, or a schedule that does not fit.
+    ``time_limit`` (seconds) is a deadline for the whole solve of the solvers
+    that take one (building their model, their warm start and the search all
+    within it, give or take :data:`TIME_LIMIT_TOLERANCE`); the plan then says
+    whether the schedule is proven optimal. Raises :class:`MemschedError` for
+    an unknown solver or parameter, a budget no schedule fits (the message
+    states the least memory found, searched for at most ``minimum_time_limit``
+    seconds and no longer than the time limit leaves), a time limit reached
+    before any schedule was found (the message says what limit to give), or a
+    schedule that does not fit.
     """
     if solver not in GRAPH_SOLVER_NAMES:
         raise MemschedError(f"unknown graph solver {solver!r}; choose one of {', '.join(GRAPH_SOLVER_NAMES)}")
@@ -117,14 +133,16 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
                             "(fixed bytes and the largest computation or set of kept values); raise the budget")
     from solvers.checkmate import NoSchedule
 
+    deadline = Deadline(time_limit)
     started = time.perf_counter()
     try:
         solution = function(graph, budget, **given)
     except NoSchedule as exc:
         if exc.proven:
-            raise _infeasible(graph, budget, f"{name}: {exc}", minimum_time_limit) from None
-        raise MemschedError(f"{name}: {exc} for graph '{graph.name}' at {format_bytes(budget)}; "
-                            "give it more time (--time-limit) or a larger budget") from None
+            raise _infeasible(graph, budget, f"{name}: {exc}", minimum_time_limit, deadline) from None
+        more = "give it more time (--time-limit)" if exc.enough is None else f"give --time-limit {exc.enough} or more"
+        raise MemschedError(f"{name}: {exc}, for graph '{graph.name}' at {format_bytes(budget)}; {more}, "
+                            "or a larger budget") from None
     elapsed = time.perf_counter() - started
     result = GraphSimulator(graph).run(solution.schedule)
     if result.peak_bytes > budget:

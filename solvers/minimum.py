@@ -4,25 +4,31 @@ Same structure as Rotor's recurrence (solvers/rotor.py) with the time
 replaced by the peak: ``need[i, e]`` is the least memory, besides ``a_i`` and
 the parameter gradients of stages after ``e``, that processing stages
 ``i..e`` requires with ``δ_{e+1}`` held. No discretisation, so the result is
-exact; budgets below it have no schedule at all.
+exact; budgets below it have no schedule at all. The table is filled chunk by chunk
+(solvers/limits.py): a deadline and Ctrl-C are seen between chunks.
 """
 
 import numba
 import numpy as np
 
 from planner.chain import Chain
+from solvers.limits import Deadline, Progress, span_chunks
 from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
 @numba.njit(cache=True)
-def _least_memory_table(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, params, param_prefix):
-    """``(need, choice)`` over sub-chains ``i..e``: least bytes and the choice (CHAIN or leaf j) that achieves it."""
-    length = len(params) - 1
-    need = np.zeros((length + 1, length + 1), dtype=np.int64)
-    choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
-    for i in range(length + 1):
+def _least_memory_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, need):
+    """``need[i, i]`` for every ``i`` (in place)."""
+    for i in range(len(need)):
         need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
-    for span in range(1, length + 1):
+
+
+@numba.njit(cache=True)
+def _least_memory_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, need, choice, first, last):
+    """``need[i, e]`` and ``choice[i, e]`` (in place) for the sub-chains ``i..e`` of spans ``first..last-1``,
+    the shorter ones being filled: the least bytes and the choice (CHAIN or leaf j) that achieves it."""
+    length = len(need) - 1
+    for span in range(first, last):
         for i in range(length + 1 - span):
             end = i + span
             held = x[end + 1]
@@ -40,17 +46,45 @@ def _least_memory_table(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, params, par
             if chain < best:
                 best, best_choice = chain, CHAIN
             need[i, end], choice[i, end] = best, best_choice
+
+
+def _least_memory_table(a, deadline: Deadline = None):
+    """``(need, choice)`` over sub-chains ``i..e`` of the arrays ``a``, filled chunk by chunk (interruptible;
+    :class:`TimeLimitReached` once ``deadline`` passes)."""
+    length = len(a.params) - 1
+    need = np.zeros((length + 1, length + 1), dtype=np.int64)
+    choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
+
+    def compile_kernels():  # the diagonal, and an empty range of spans
+        _least_memory_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, need)
+        _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, need, choice,
+                            1, 1)
+
+    if deadline is None:
+        compile_kernels()
+    else:
+        deadline.exclude(compile_kernels)
+    progress = Progress(deadline, "computing the least memory", sum((length + 1 - span) * span
+                                                                    for span in range(1, length + 1)))
+    done = 0
+    for first, last in span_chunks(length, lambda span: (length + 1 - span) * span):
+        _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, need, choice,
+                            first, last)
+        done += sum((length + 1 - span) * span for span in range(first, last))
+        if last <= length:
+            progress.step(done)
     return need, choice
 
 
-def _table(chain: Chain):
+def _table(chain: Chain, deadline: Deadline = None):
     a = rotor_arrays(chain)
-    return a, *_least_memory_table(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.params, a.param_prefix)
+    return a, *_least_memory_table(a, deadline)
 
 
-def minimum_budget(chain: Chain) -> int:
-    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included)."""
-    arrays, need, _ = _table(chain)
+def minimum_budget(chain: Chain, deadline: Deadline = None) -> int:
+    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included); raises
+    :class:`TimeLimitReached` when ``deadline`` passes first."""
+    arrays, need, _ = _table(chain, deadline)
     final_state = arrays.x[0] + arrays.param_prefix[-1]  # δ_0 and every parameter gradient, after the last backward
     return int(arrays.x[0] + max(need[0, chain.length], final_state))
 

@@ -62,13 +62,12 @@ the retention intervals. CP-SAT runs with two workers; ``OPTIMAL`` is reported
 as optimal, ``FEASIBLE`` (a time limit) with the gap to CP-SAT's bound.
 """
 
-import time
-
 from ortools.sat.python import cp_model
 
 from planner.errors import MemschedError
 from planner.graph import Graph, schedule_with_frees
-from solvers.checkmate import NoSchedule
+from solvers.checkmate import NoSchedule, _out_of_time
+from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, run_interruptibly
 
 _WORKERS = 2
 FIRST_ORDERS = ("free", "index")  # first_order: the order of the first computations of the nodes
@@ -165,12 +164,22 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
     """The fastest schedule computing each node at most ``max_computations`` times within ``budget`` bytes, its
     first computations in any order (``first_order="free"``) or in index order (``"index"``, Checkmate's order);
     CP-SAT starts from the heuristic schedule of :mod:`solvers.graph_heuristic` when ``hint`` is True and one is
-    found, or from ``hint`` when it is a compute order."""
+    found, or from ``hint`` when it is a compute order. ``time_limit`` (seconds) is a deadline for the whole
+    solve: the heuristic, building the model (which stops at it: :class:`NoSchedule` then says what limit to
+    give) and CP-SAT, which gets what is left."""
+    check_options(max_computations, first_order)
+    deadline = Deadline(time_limit)
+    try:
+        return _moccasin(graph, budget, max_computations, time_limit, hint, first_order, deadline)
+    except TimeLimitReached as exc:
+        raise _out_of_time(time_limit, exc, f"{graph.size} nodes, {max_computations} computations each") from None
+
+
+def _moccasin(graph: Graph, budget: int, max_computations: int, time_limit, hint, first_order: str,
+              deadline: Deadline):
     from solvers.graph import GraphSolution
     from solvers.graph_heuristic import greedy_order
 
-    check_options(max_computations, first_order)
-    started = time.perf_counter()
     if hint is None or hint is False:
         hint = None
     elif hint is not True:
@@ -186,6 +195,11 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
     cost = [round(node.time * scale) for node in nodes]
     model = cp_model.CpModel()
     active, start, end, units, retained, uses = {}, {}, {}, [], [], {}
+    # the deadline is checked as the model grows (a rough measure of the work: each node's variables, then its
+    # dependency choices)
+    progress = Progress(deadline, "building the model", n + sum(
+        counts[v] * sum(counts[u] for u in node.deps) for v, node in enumerate(nodes)))
+    done = 0
     for v in range(n):
         for c in range(counts[v]):
             on = model.NewBoolVar(f"a_{v}_{c}")
@@ -204,6 +218,7 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
                 model.Add(s == 0).OnlyEnforceIf(on.Not())
                 model.Add(e == 1).OnlyEnforceIf(on.Not())
             active[v, c], start[v, c], end[v, c] = on, s, e
+        progress.step(done := done + 1)
     model.AddNoOverlap([interval for interval, _ in units])
     capacity = budget - graph.fixed_bytes
     intervals = units + retained
@@ -220,6 +235,7 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
                     choices.append(use)
                     uses[u, c2, v, c] = use
                 model.AddBoolOr(choices).OnlyEnforceIf(active[v, c])
+        progress.step(done := done + counts[v] * sum(counts[u] for u in node.deps))
     if first_order == "index":
         _index_order(model, graph, counts, horizon, active, start)
     else:
@@ -234,14 +250,17 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
     model.Minimize(sum(cost[v] * active[v, c] for v in range(n) for c in range(1, counts[v])))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = _WORKERS
-    if time_limit is not None:
-        solver.parameters.max_time_in_seconds = max(0.001, float(time_limit) - (time.perf_counter() - started))
-    status = solver.Solve(model)
+    if time_limit is not None:  # what is left, less a margin for reading and replaying the schedule
+        solver.parameters.max_time_in_seconds = max(0.001, deadline.left() - 0.05 - 0.01 * time_limit)
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C stops it through run_interruptibly instead
+    status = run_interruptibly(lambda: solver.Solve(model), solver.StopSearch)
     if status == cp_model.INFEASIBLE:
         raise NoSchedule(f"no schedule with at most {max_computations} computations per node fits the budget "
                          "(proven infeasible)", proven=True)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSchedule(f"the time limit ({time_limit} s) ran out before any schedule was found", proven=False)
+        limit = "the time limit" if time_limit is None else f"the time limit ({time_limit:g} s)"
+        raise NoSchedule(f"{limit} ran out before any schedule was found", proven=False,
+                         enough=None if time_limit is None else enough_time(4 * time_limit))
     order = sorted(((solver.Value(start[v, c]), v) for (v, c), on in active.items() if solver.Value(on)))
     optimal = status == cp_model.OPTIMAL
     baseline = sum(cost)

@@ -104,6 +104,8 @@ from planner.plan import TRANSFER_OPS, Op
 from planner.simulator import ChainSimulator, simulate
 from planner.transfer import Transfer
 from planner.units import format_bytes
+from solvers.limits import Deadline, TimeLimitReached, enough_time, run_interruptibly
+from solvers.minimum import minimum_budget
 
 SCHEDULES = ("store_all", "rotor")
 METHODS = ("auto", "exact", "greedy")
@@ -193,10 +195,11 @@ class OffloadSolution:
 
 # --- the problem -------------------------------------------------------------------------------------------
 
-def compute_schedule(chain: Chain, budget: int, schedule="store_all", schedule_budget: int = None) -> tuple:
+def compute_schedule(chain: Chain, budget: int, schedule="store_all", schedule_budget: int = None,
+                     deadline: Deadline = None) -> tuple:
     """The compute schedule to offload from: ``"store_all"``, ``"rotor"`` (Rotor's plan at ``schedule_budget``,
-    by default at the budget, and never below the least memory any schedule needs), or a schedule given as
-    operations (without transfers)."""
+    by default at the budget, and never below the least memory any schedule needs: its computation stops at
+    ``deadline``), or a schedule given as operations (without transfers)."""
     from solvers.extremes import store_all_schedule
 
     if isinstance(schedule, str):
@@ -207,13 +210,12 @@ def compute_schedule(chain: Chain, budget: int, schedule="store_all", schedule_b
             if schedule_budget is not None:
                 raise MemschedError("offload: schedule_budget is for the rotor compute schedule, not store_all")
             return store_all_schedule(chain.length)
-        from solvers.minimum import minimum_budget
         from solvers.rotor import rotor
 
         target = budget if schedule_budget is None else schedule_budget
         if isinstance(target, bool) or not isinstance(target, int) or target < 0:
             raise MemschedError(f"offload: schedule_budget must be a number of bytes >= 0, got {target!r}")
-        return rotor(chain, max(target, minimum_budget(chain))).schedule
+        return rotor(chain, max(target, minimum_budget(chain, deadline))).schedule
     ops = tuple(schedule)
     if not ops or any(not isinstance(op, Op) for op in ops):
         raise MemschedError("offload: the compute schedule must be a non-empty sequence of operations")
@@ -300,17 +302,27 @@ def build_schedule(problem: OffloadProblem, windows) -> tuple:
     return tuple(out)
 
 
-def least_peak(problem: OffloadProblem) -> int:
-    """Bytes: the least peak any window choice reaches (every chosen window covering its whole gap)."""
+def least_peak(problem: OffloadProblem, deadline: Deadline = None) -> int:
+    """Bytes: the least peak any window choice reaches (every chosen window covering its whole gap); when CP-SAT
+    does not prove it within 10 s (or what is left of ``deadline``), its bound, or without one, the bound of
+    every candidate away at once by its largest gap (each operation then loses at most that)."""
     choices = [[g for g in c.gaps] for c in problem.candidates]
     if not choices:
         return problem.peak
-    if all(len(gaps) == 1 for gaps in choices):  # one gap each: offload everything
-        away = [0] * len(problem.ops)
-        for (gap,) in choices:
+    away = [0] * len(problem.ops)  # per operation: every candidate away by its largest gap covering it
+    for gaps in choices:
+        largest = {}
+        for gap in gaps:
             for k in range(gap.lo, gap.hi + 1):
-                away[k] += gap.nbytes
-        return max(p - a for p, a in zip(problem.peaks, away))
+                largest[k] = max(largest.get(k, 0), gap.nbytes)
+        for k, nbytes in largest.items():
+            away[k] += nbytes
+    relaxed = max(p - a for p, a in zip(problem.peaks, away))
+    if all(len(gaps) == 1 for gaps in choices):  # one gap each: offload everything
+        return relaxed
+    seconds = 10.0 if deadline is None or deadline.left() is None else min(10.0, deadline.left())
+    if seconds <= 0.0:
+        return relaxed
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -327,11 +339,17 @@ def least_peak(problem: OffloadProblem) -> int:
     model.Minimize(top)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = _WORKERS
-    solver.parameters.max_time_in_seconds = 10.0
-    status = solver.Solve(model)
+    solver.parameters.max_time_in_seconds = seconds
+    status = _solve_cp(solver, model)
     if status == cp_model.OPTIMAL:
         return int(solver.Value(top))
-    return int(solver.BestObjectiveBound()) if status == cp_model.FEASIBLE else problem.peak
+    return max(relaxed, int(solver.BestObjectiveBound())) if status == cp_model.FEASIBLE else relaxed
+
+
+def _solve_cp(solver, model):
+    """``solver.Solve(model)``, stopped at once by Ctrl-C (CP-SAT's own SIGINT handler would swallow it)."""
+    solver.parameters.catch_sigint_signal = False
+    return run_interruptibly(lambda: solver.Solve(model), solver.StopSearch)
 
 
 # --- the greedy and the hand policy ------------------------------------------------------------------------
@@ -589,11 +607,13 @@ def _add_hint(model, windows, records, subs, d, T, C, F) -> None:
         model.AddHint(back, back_start[s][1] if w is not None else 0)
 
 
-def exact_windows(problem: OffloadProblem, budget: int, time_limit: float, hint=None, bounds: bool = True):
+def exact_windows(problem: OffloadProblem, budget: int, time_limit, hint=None, bounds: bool = True):
     """``(windows, optimal, gap, model_seconds, stats)`` from the CP-SAT model, or ``(None, ...)`` when the time
-    limit ran out before any solution (or none exists)."""
+    limit (seconds from this call, or a :class:`solvers.limits.Deadline`: building the model included) ran out
+    before any solution (or none exists)."""
     from ortools.sat.python import cp_model
 
+    deadline = Deadline.of(time_limit)
     started = time.perf_counter()
     scale = _time_scale(problem.durations)
     n = len(problem.ops)
@@ -618,6 +638,8 @@ def exact_windows(problem: OffloadProblem, budget: int, time_limit: float, hint=
     away = [[] for _ in range(n)]
     d2h, h2d, per_cand, records = [], [], {}, []
     for s, (ci, gi, gap, du, hu) in enumerate(subs):
+        if deadline.passed():  # no time left to solve it: the caller falls back on the greedy
+            return None, False, None, None, {"candidates": len(subs), "status": "time limit while building"}
         lo, hi, read = gap.lo, gap.hi, gap.read
         x = model.NewBoolVar(f"x{s}")
         R = {k: model.NewBoolVar(f"R{s}_{k}") for k in range(lo, hi + 1)}
@@ -669,13 +691,18 @@ def exact_windows(problem: OffloadProblem, budget: int, time_limit: float, hint=
     proto = model.Proto()
     stats = {"candidates": len(subs), "variables": len(proto.variables), "constraints": len(proto.constraints),
              "time_unit": 1.0 / scale, "build_seconds": time.perf_counter() - started}
+    left = deadline.left()
+    if left is not None and left <= 0.0:
+        stats.update(status="time limit while building")
+        return None, False, None, None, stats
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = _WORKERS
-    solver.parameters.max_time_in_seconds = max(0.001, float(time_limit) - (time.perf_counter() - started))
+    if left is not None:
+        solver.parameters.max_time_in_seconds = left
     # presolve spends tens of seconds on the order literals of 100-stage chains and gains nothing measurable:
     # without it CP-SAT starts from the complete hint at once and proves 10-20-stage optima as fast
     solver.parameters.cp_model_presolve = False
-    status = solver.Solve(model)
+    status = _solve_cp(solver, model)
     stats.update(status=solver.StatusName(status), solve_seconds=solver.WallTime())
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, False, None, None, stats
@@ -717,8 +744,8 @@ def _budget(budget) -> int:
     return budget
 
 
-def _infeasible(problem: OffloadProblem, budget: int, schedule) -> MemschedError:
-    least = least_peak(problem)
+def _infeasible(problem: OffloadProblem, budget: int, schedule, least: int = None) -> MemschedError:
+    least = least_peak(problem) if least is None else least
     name = schedule if isinstance(schedule, str) else "given"
     how = ("the copy channel cannot move data both ways" if not problem.transfer.usable
            else f"offloading reaches {format_bytes(least)} ({least} bytes) at least")
@@ -728,10 +755,10 @@ def _infeasible(problem: OffloadProblem, budget: int, schedule) -> MemschedError
                          "raise the budget or use a schedule that recomputes (schedule='rotor')")
 
 
-def _prepare(chain, budget, transfer, schedule, schedule_budget):
+def _prepare(chain, budget, transfer, schedule, schedule_budget, deadline=None):
     budget = _budget(budget)
     channel = channel_of(chain, transfer)
-    ops = compute_schedule(chain, budget, schedule, schedule_budget)
+    ops = compute_schedule(chain, budget, schedule, schedule_budget, deadline)
     return budget, build_problem(chain, ops, channel)
 
 
@@ -760,12 +787,27 @@ def offload(chain: Chain, budget: int, transfer: Transfer = None, schedule="stor
         time_limit = DEFAULT_TIME_LIMIT
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
         raise MemschedError(f"offload: time_limit must be a positive number of seconds, got {time_limit!r}")
-    budget, problem = _prepare(chain, budget, transfer, schedule, schedule_budget)
+    return offload_within(chain, budget, transfer, schedule, schedule_budget, Deadline(time_limit), method,
+                          time_limit)
+
+
+def offload_within(chain: Chain, budget: int, transfer: Transfer, schedule, schedule_budget, deadline: Deadline,
+                   method: str = "auto", time_limit=None) -> OffloadSolution:
+    """:func:`offload` within ``deadline`` (a :class:`solvers.limits.Deadline`: the computation of the compute
+    schedule, the least peak, the greedy and the exact model all within it; once it has passed the greedy's plan
+    is returned); ``time_limit`` is what the plan's parameters record."""
+    try:
+        budget, problem = _prepare(chain, budget, transfer, schedule, schedule_budget, deadline)
+    except TimeLimitReached as exc:
+        raise MemschedError(f"offload: the time limit ({deadline.seconds:g} s) ran out while {exc.what} "
+                            f"({100 * exc.done:.0f}% done); give --time-limit {enough_time(2 * exc.needed())} "
+                            "or more") from None
     if problem.peak <= budget:  # nothing to move: offloading only adds stalls
         return OffloadSolution(problem.ops, _params(schedule, schedule_budget, method=method), optimal=True, gap=0.0,
                                transfer=problem.transfer, model_time=problem.compute_time, stats={"candidates": 0})
-    if least_peak(problem) > budget:
-        raise _infeasible(problem, budget, schedule)
+    least = least_peak(problem, deadline)
+    if least > budget:
+        raise _infeasible(problem, budget, schedule, least)
     greedy = greedy_windows(problem, budget)
     use_exact = method == "exact" or (method == "auto" and chain.length <= EXACT_UP_TO)
     if use_exact and greedy is not None:  # no stall at all: nothing is faster
@@ -776,7 +818,7 @@ def offload(chain: Chain, budget: int, transfer: Transfer = None, schedule="stor
                                    stats={"candidates": len(problem.candidates),
                                           "status": "OPTIMAL (greedy, no stall)"})
     if use_exact:
-        windows, optimal, gap, model_time, stats = exact_windows(problem, budget, time_limit, hint=greedy)
+        windows, optimal, gap, model_time, stats = exact_windows(problem, budget, deadline, hint=greedy)
         if windows is not None:
             plan, result = _fits(problem, budget, windows)
             if result.peak_bytes > budget:  # the model's memory is exact in bytes: this is a bug, not rounding
@@ -786,7 +828,7 @@ def offload(chain: Chain, budget: int, transfer: Transfer = None, schedule="stor
                                    optimal=optimal, gap=gap, transfer=problem.transfer, model_time=model_time,
                                    stats=stats)
     if greedy is None:
-        raise _infeasible(problem, budget, schedule)
+        raise _infeasible(problem, budget, schedule, least)
     plan, result = _fits(problem, budget, greedy)
     if result.peak_bytes > budget:
         raise MemschedError(f"offload: the greedy plan peaks at {format_bytes(result.peak_bytes)}, above the budget "

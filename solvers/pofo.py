@@ -33,11 +33,16 @@ The class fixes where each copy happens, so a copy longer than the forward (or b
 stalls even when later operations could hide it. The table's plan is therefore *re-timed*: the exact offload
 solver (:mod:`solvers.offload`) places the transfers freely on the same compute schedule, and also tries the
 store-all schedule and Rotor's for a budget halfway to the store-all peak (recomputation for half the way,
-offloading for the rest), each for a third of ``time_limit``; a faster plan is returned (marked not optimal:
-it is better than the class's optimum, not proven best overall). Below the table's reach (a budget under the
-least memory of recomputation, which offloading a sub-chain's first activation cannot lower), Rotor's
-schedules for budgets a little above that least memory and the store-all schedule are offloaded by the
-exact solver instead, and the fastest plan that fits is returned (not optimal).
+offloading for the rest), each for an equal share of what is left of ``time_limit``; a faster plan is
+returned (marked not optimal: it is better than the class's optimum, not proven best overall). Below the
+table's reach (a budget under the least memory of recomputation, which offloading a sub-chain's first
+activation cannot lower), Rotor's schedules for budgets a little above that least memory and the store-all
+schedule are offloaded by the exact solver instead, and the fastest plan that fits is returned (not optimal).
+
+``time_limit`` is a deadline for the whole solve, started when :func:`pofo` is called: the table is filled
+chunk by chunk and stops at it (an error that says what limit would do: there is no plan yet), and the
+re-timing only gets what the table and Rotor's plan left (nothing once the deadline has passed: the table's
+plan is returned). The chunks also let Ctrl-C through within milliseconds (see :mod:`solvers.minimum`).
 """
 
 import math
@@ -52,14 +57,15 @@ from planner.simulator import ChainSimulator, simulate
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
+from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, span_chunks
 from solvers.minimum import minimum_budget
-from solvers.offload import OffloadSolution, channel_of, offload
+from solvers.offload import OffloadSolution, channel_of, offload_within
 from solvers.rotor import DEFAULT_SLOTS, discretise, final_state_fits, rotor
 from solvers.rotor_model import RotorArrays
 
 CHAIN, CHAIN_OFFLOAD = 0, -1  # choice codes; a leaf j is +j, an offloaded leaf j is -(j + 1); NONE has no schedule
 NONE = -(1 << 30)
-DEFAULT_RETIMING_LIMIT = 10.0  # seconds for the exact offload solver to re-time the plan
+DEFAULT_RETIMING_LIMIT = 10.0  # seconds for the whole solve: the table, Rotor, and re-timing with what is left
 HELD_ALONE, IN_SAVED = 0, 1  # how a sub-chain's a_k is held: on its own (input k) or inside ā_k (saved k-1)
 
 
@@ -101,10 +107,9 @@ def _relax(time, choice, low, shift, step, right, left, left_shift, code):
                 choice[m] = code
 
 
-@numba.njit(cache=True, parallel=True)
-def _fill_tables(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, units, d2h, h2d,
-                 time, choice):
-    """Fill ``time[kind, k, e, :]`` and ``choice`` for every ``k <= e`` (see :class:`PofoTables`)."""
+@numba.njit(cache=True)
+def _fill_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, time, choice):
+    """Fill ``time[kind, k, k, :]`` and ``choice`` for every ``k`` (in place)."""
     length = len(fwd_time) - 1
     top = time.shape[3] - 1
     for k in range(length + 1):
@@ -113,7 +118,16 @@ def _fill_tables(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_
             for m in range(low, top + 1):
                 time[kind, k, k, m] = fwd_time[k] + bwd_time[k]
                 choice[kind, k, k, m] = CHAIN
-    for span in range(1, length + 1):
+
+
+@numba.njit(cache=True, parallel=True)
+def _fill_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, units, d2h, h2d,
+                time, choice, span_from, span_to):
+    """Fill ``time[kind, k, e, :]`` and ``choice`` (in place) for every ``k < e`` with ``e - k`` in
+    ``span_from..span_to-1``, the shorter spans being filled (see :class:`PofoTables`)."""
+    length = len(fwd_time) - 1
+    top = time.shape[3] - 1
+    for span in range(span_from, span_to):
         for task in numba.prange(2 * (length + 1 - span)):
             kind, k = task % 2, task // 2
             e = k + span
@@ -157,7 +171,8 @@ class PofoTables:
     than ``top`` units (reached only inside sub-chains, after an offload) are read at ``top``: the table
     never gets slower with more memory, and the whole chain never has more than ``top``."""
 
-    def __init__(self, arrays: RotorArrays, top: int, transfer: Transfer, unit: int, chain: Chain):
+    def __init__(self, arrays: RotorArrays, top: int, transfer: Transfer, unit: int, chain: Chain,
+                 deadline: Deadline = None):
         self.a, self.top, self.unit = arrays, top, unit
         length = arrays.length
         self.length = length
@@ -174,8 +189,29 @@ class PofoTables:
         self.time = np.full((2, size, size, top + 1), np.inf)
         self.choice = np.full((2, size, size, top + 1), NONE, dtype=np.int32)
         a = arrays
-        _fill_tables(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
-                     a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice)
+
+        def compile_kernels():  # the diagonal, and an empty range of spans (compiled or loaded on first use)
+            _fill_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time, a.bwd_time,
+                           self.time, self.choice)
+            _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
+                        a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, 1, 1)
+
+        if deadline is None:
+            compile_kernels()
+        else:
+            deadline.exclude(compile_kernels)  # a one-off cost: not the solve's
+
+        def work(span):  # inner steps of one span: two tables, its sub-chains, their leaves, the memory states
+            return 2 * (length + 1 - span) * span * (top + 1)
+
+        # chunk by chunk, so that Ctrl-C and the deadline are seen within milliseconds (solvers.minimum)
+        progress, done = Progress(deadline, "filling its table", sum(work(span) for span in range(1, length + 1))), 0
+        for first, last in span_chunks(length, work):
+            _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
+                        a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, first, last)
+            done += sum(work(span) for span in range(first, last))
+            if last <= length:
+                progress.step(done)
 
     def schedule(self, k: int, e: int, m: int, kind: int) -> list:
         """The operations behind ``time[kind][k, e, m]``."""
@@ -207,10 +243,16 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
          time_limit: float = DEFAULT_RETIMING_LIMIT) -> OffloadSolution:
     """The fastest schedule of POFO's class (see the module docstring) whose peak fits ``budget`` at ``slots``
     discretisation, with copies over ``transfer`` (default: the chain's channel); then re-timed by the exact
-    offload solver within ``time_limit`` seconds (0: not), the faster plan kept."""
+    offload solver, the faster plan kept.
+
+    ``time_limit`` (seconds) covers the whole solve: the table, Rotor's plan and the re-timing, which gets what
+    is left (none once it has passed: the table's plan is returned). A table that cannot be filled within it
+    is a one-line :class:`MemschedError` saying what limit would do. 0: no re-timing, and no limit.
+    """
     transfer = channel_of(chain, transfer, "pofo")
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 <= time_limit < math.inf:
         raise MemschedError(f"pofo: time_limit must be a number of seconds >= 0, got {time_limit!r}")
+    deadline = Deadline(time_limit if time_limit > 0 else None)
     params = {"slots": slots, "time_limit": time_limit}
     simulator = ChainSimulator(chain)
     store_all = store_all_schedule(chain.length)
@@ -220,7 +262,10 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
     unit, arrays, top = discretise(chain, budget, slots)
     found = None
     if top >= 0 and final_state_fits(arrays, top):
-        tables = PofoTables(arrays, top, transfer, unit, chain)
+        try:
+            tables = PofoTables(arrays, top, transfer, unit, chain, deadline)
+        except TimeLimitReached as exc:
+            raise _out_of_time(chain, time_limit, exc, f"{chain.length} stages, {top + 1} memory slots") from None
         if math.isfinite(tables.time[HELD_ALONE, 0, chain.length, top]):
             found = tuple(tables.schedule(0, chain.length, top, HELD_ALONE))
     optimal = found is not None
@@ -236,11 +281,20 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
     retiming = transfer.usable and time_limit > 0
     if found is None and retiming:
         # below the table's reach: Rotor's schedules for budgets a little above the least memory, and store-all
-        least = minimum_budget(chain)
+        try:
+            least = minimum_budget(chain, deadline)
+        except TimeLimitReached as exc:
+            raise _out_of_time(chain, time_limit, exc, f"{chain.length} stages") from None
         tries = [("rotor", least + int(point * (high - least))) for point in BELOW_POINTS] + [("store_all", None)]
-        found = _fastest_offload(chain, budget, transfer, tries, time_limit)
+        found = _fastest_offload(chain, budget, transfer, tries, deadline)
         if found is not None:
             return OffloadSolution(found, params=params, optimal=False, transfer=transfer)
+        if deadline.passed(_MARGIN):
+            raise MemschedError(f"pofo: no schedule of recomputation and offloading fits {format_bytes(budget)} "
+                                f"({budget} bytes) within the time limit of {time_limit:g} s (the budget is below "
+                                f"the least memory of any recomputation schedule, {format_bytes(least)}, and the "
+                                f"offload plans tried ran out of time); give --time-limit "
+                                f"{enough_time(4 * time_limit)} or more, or raise the budget")
     if found is None:
         least = minimum_budget(chain)
         where = (f"below the least memory of any recomputation schedule, {format_bytes(least)} ({least} bytes), "
@@ -252,7 +306,7 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
         # for a budget halfway to the store-all peak
         compute = tuple(op for op in found if op.kind not in TRANSFER_OPS)
         tries = [(compute, None), ("store_all", None), ("rotor", (budget + high) // 2)]
-        retimed = _fastest_offload(chain, budget, transfer, tries, time_limit, than=found_time)
+        retimed = _fastest_offload(chain, budget, transfer, tries, deadline, than=found_time)
         if retimed is not None:
             return OffloadSolution(retimed, params=params, optimal=False, transfer=transfer)
     return OffloadSolution(found, params=params, optimal=optimal, transfer=transfer)
@@ -260,18 +314,30 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
 
 BELOW_POINTS = (0.0, 0.02, 0.05, 0.1, 0.25)  # Rotor schedules tried below the table's reach, as fractions of the
 # way from the least memory to the store-all peak
+_MARGIN = 0.05  # seconds of the time limit kept for simulating the plan after the last re-timing
 
 
-def _fastest_offload(chain: Chain, budget: int, transfer: Transfer, tries, time_limit: float, than=math.inf):
+def _out_of_time(chain: Chain, time_limit: float, exc: TimeLimitReached, size: str) -> MemschedError:
+    """The one-line error of a table (or the least memory) that the time limit stopped half-way."""
+    return MemschedError(f"pofo: the time limit ({time_limit:g} s) ran out while {exc.what} for chain "
+                         f"'{chain.name}' ({size}; {100 * exc.done:.0f}% done); give --time-limit "
+                         f"{enough_time(max(2 * exc.needed(), exc.needed() + 3))} or more")
+
+
+def _fastest_offload(chain: Chain, budget: int, transfer: Transfer, tries, deadline: Deadline, than=math.inf):
     """The fastest exact offload plan within ``budget`` over the compute schedules ``tries`` (``(schedule,
-    schedule_budget)`` pairs, as :func:`solvers.offload.offload` takes them), each given an equal share of
-    ``time_limit``, when it is faster than ``than`` seconds; else None."""
+    schedule_budget)`` pairs, as :func:`solvers.offload.offload` takes them), each given an equal share of what
+    is left of ``deadline`` (what one leaves goes to the next), when it is faster than ``than`` seconds; else
+    None."""
     best, best_time = None, than
-    for schedule, schedule_budget in tries:
+    for index, (schedule, schedule_budget) in enumerate(tries):
+        left = deadline.left() - _MARGIN
+        if left <= 0.0:
+            break
+        share = left / (len(tries) - index)
         try:
-            solution = offload(chain, budget, transfer, schedule=schedule, schedule_budget=schedule_budget,
-                               time_limit=time_limit / len(tries))
-        except MemschedError:  # no offload plan of that schedule fits
+            solution = offload_within(chain, budget, transfer, schedule, schedule_budget, Deadline(share))
+        except MemschedError:  # no offload plan of that schedule fits (or none within its share)
             continue
         seconds = _time(chain, solution.schedule, transfer)
         if seconds < best_time * (1 - 1e-12):
