@@ -28,7 +28,7 @@ from solvers.offload import offload as _offload, offload_all as _offload_all, of
 from solvers.pofo import pofo as _pofo
 from solvers.result import solver_params
 from solvers.revolve import revolve
-from solvers.rotor import rotor
+from solvers.rotor import check_length, rotor
 from solvers.sqrt import sqrt
 from solvers.weights import host_weight_stages, place_weight_transfers, weight_reserve
 
@@ -71,6 +71,8 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **param
     if weights is not None:
         return _solve_with_host_weights(chain, budget, solver, weights, params)
     offloading = solver in OFFLOAD_SOLVERS
+    if solver in ("auto", "rotor"):  # before the least memory, which is what takes minutes on such a chain
+        check_length(chain)
     if not offloading:  # offloading can go below it, and its solvers state the least peak they reach
         minimum = minimum_budget(chain)
         if budget < minimum:

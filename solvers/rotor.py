@@ -16,21 +16,50 @@ parameter gradients of stages after ``e``. Two choices at ``i``:
 Each forward's peak is checked where it happens, so every schedule found fits
 the simulator's model (planner.simulator) in bytes; the exhaustive searches in
 the tests confirm nothing faster exists. Memory is discretised as in the
-published implementation: ``unit = budget // slots``, sizes rounded up, the
-input's units taken from the ``slots`` first. The table is filled by a numba
-kernel, diagonal by diagonal, stages of one diagonal in parallel.
+published implementation: ``unit = budget // slots``, sizes rounded up (the
+parameter gradients as the suffixes they are held in, so that they lose at most
+one unit in all), the input's units taken from the ``slots`` first. The table
+is filled by numba kernels, diagonal by diagonal, stages of one diagonal in
+parallel, in chunks of a few milliseconds (a Ctrl-C is raised between two,
+solvers/limits.py); it holds ``(L+1)² × levels`` float64 entries and costs about
+``L³/6 × levels`` additions.
+
+Resolution and limits. ``slots=N`` is the published discretisation, every stage
+its own; it is refused in one line when its table would exceed
+``TABLE_LIMIT_BYTES`` (2 GiB). ``slots=None`` (the default) chooses from the
+chain: the table keeps ``DEFAULT_SLOTS`` levels, all the budget's while
+rounding inflates the chain's store-all footprint by less than
+``HEADROOM_FROM``; beyond, the budget gets ``DEFAULT_SLOTS / (1 + 2 ×
+inflation)`` of them and the rest lie above it, and the highest level whose
+schedule the simulator finds within the budget in bytes is taken (at or above
+the budget's level, it is as fast as any schedule that fits the budget at this
+discretisation). When that table would exceed ``TABLE_LIMIT_BYTES`` or
+``WORK_LIMIT`` additions (about 2 s on 2 cores), consecutive stages are merged
+into as many groups as fit (:func:`merge_stages`, whose sizes bound the
+stages' in the simulator's model), solved there and expanded, not marked
+optimal. Either way the fastest segment schedule in bytes (Chen's and
+``checkpoint_sequential``'s cuts) and, where the plan is slower than any
+Revolve schedule can be, Revolve's with the most snapshots that fit are
+returned instead when faster, so Rotor is never slower than
+:func:`solvers.sqrt.sqrt` or :func:`solvers.revolve.revolve`. Chains of more
+than ``MAX_STAGES`` stages are refused in one line: the exact least memory
+(solvers/minimum.py) costs O(L³) time.
 """
 
 import numba
 import numpy as np
 
-from planner.chain import Chain
+from planner.chain import Chain, Stage
 from planner.errors import MemschedError
+from planner.plan import Op
 from planner.simulator import ChainSimulator
+from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
+from solvers.limits import span_chunks
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
-from solvers.sqrt import fastest_segments
+from solvers.revolve import revolve_schedule
+from solvers.sqrt import fastest_segments, segment_bounds
 from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
@@ -38,8 +67,12 @@ from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
 # the workqueue layer lets them sleep. It must be chosen before the first parallel call.
 numba.config.THREADING_LAYER = "workqueue"
 
-DEFAULT_SLOTS = 500
-SEGMENTS_CHECKED_UP_TO = 64  # stages: beyond, checking every segment schedule costs more than the DP
+DEFAULT_SLOTS = 500  # the published units in the budget, and the levels of the automatic choice's table
+TABLE_LIMIT_BYTES = 2 * 2**30  # the largest table allocated: (stages+1)² × levels × 8 bytes
+WORK_LIMIT = 2.5e9  # automatic choice: the most additions, stages³/6 × levels (about 2 s on 2 cores)
+MAX_STAGES = 4000  # beyond, the exact least memory alone (O(L³), in every solve) takes minutes
+HEADROOM_FROM = 0.02  # automatic choice: below this inflation by rounding, every level is the budget's (published)
+MAX_HEADROOM = 1.0  # automatic choice: the budget keeps at least DEFAULT_SLOTS / (1 + MAX_HEADROOM) levels
 
 
 @numba.njit(cache=True, inline="always")
@@ -55,17 +88,24 @@ def _relax(best, low, high, step, right, right_shift, left, left_shift):
 
 
 @numba.njit(cache=True, parallel=True)
-def _fill_table(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt):
-    """Fill ``opt[i, e, :]`` for every ``i <= e`` (entries with ``i > e`` are left untouched)."""
-    length = len(fwd_time) - 1
+def _fill_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, fwd_time, bwd_time, opt):
+    """Fill ``opt[i, i, :]`` for every ``i`` (in place)."""
     top = opt.shape[2] - 1
-    zeros = np.zeros(top + 1)
-    for i in numba.prange(length + 1):
+    for i in numba.prange(len(fwd_time)):
         low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
         row = opt[i, i]
         for m in range(top + 1):
             row[m] = fwd_time[i] + bwd_time[i] if m >= low else np.inf
-    for span in range(1, length + 1):
+
+
+@numba.njit(cache=True, parallel=True)
+def _fill_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt, first, last):
+    """Fill ``opt[i, e, :]`` (in place) for the sub-chains of spans ``e - i`` in ``first..last-1``, the shorter
+    ones being filled (entries with ``i > e`` are left untouched)."""
+    length = len(fwd_time) - 1
+    top = opt.shape[2] - 1
+    zeros = np.zeros(top + 1)
+    for span in range(first, last):
         for i in numba.prange(length + 1 - span):
             end = i + span
             best = np.full(top + 1, np.inf)
@@ -109,10 +149,13 @@ def final_state_fits(arrays: RotorArrays, top: int) -> bool:
 
 def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
     """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
-    size = arrays.length + 1
-    opt = np.empty((size, size, top + 1))
-    _fill_table(arrays.x, arrays.xbar, arrays.xown, arrays.fwd_tmp, arrays.nograd_tmp, arrays.bwd_tmp, arrays.param_prefix,
-                arrays.fwd_time, arrays.bwd_time, opt)
+    a, length = arrays, arrays.length
+    opt = np.empty((length + 1, length + 1, top + 1))
+    _fill_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.fwd_time, a.bwd_time, opt)
+    # In chunks of a few milliseconds: a Ctrl-C is raised between two of them, never inside numba (solvers/limits.py).
+    for first, last in span_chunks(length, lambda span: (length + 1 - span) * span * (top + 1)):
+        _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time, a.bwd_time,
+                    opt, first, last)
     return opt
 
 
@@ -123,18 +166,24 @@ def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) 
     not store choices. Ties go to a leaf, and to the first j among leaves.
     """
     a = arrays
+    return _best_choice(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
+                        a.bwd_time, opt, i, end, m)
+
+
+@numba.njit(cache=True)
+def _best_choice(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt, i, end, m):
     best, choice = np.inf, -1
     advance, forwards = 0.0, 0
     for j in range(i + 1, end + 1):
-        advance += a.fwd_time[j - 1]
-        forwards = _advance_need(a.x, a.nograd_tmp, i, j, end, forwards)
-        later_params = int(a.param_prefix[end + 1] - a.param_prefix[j])
-        if m >= max(forwards, a.x[j], later_params):
-            cost = advance + opt[j, end, m - a.x[j]] + opt[i, j - 1, m - later_params]
+        advance += fwd_time[j - 1]
+        forwards = _advance_need(x, nograd_tmp, i, j, end, forwards)
+        later_params = param_prefix[end + 1] - param_prefix[j]
+        if m >= max(forwards, x[j], later_params):
+            cost = advance + opt[j, end, m - x[j]] + opt[i, j - 1, m - later_params]
             if cost < best:
                 best, choice = cost, j
-    if m >= _chain_need(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.param_prefix, i, end):
-        cost = (a.fwd_time[i] + a.bwd_time[i]) + opt[i + 1, end, m - a.xbar[i + 1]]
+    if m >= _chain_need(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, i, end):
+        cost = (fwd_time[i] + bwd_time[i]) + opt[i + 1, end, m - xbar[i + 1]]
         if cost < best:
             best, choice = cost, CHAIN
     return choice
@@ -146,41 +195,287 @@ def discretise(chain: Chain, budget: int, slots: int):
         raise MemschedError(f"rotor: slots must be a positive integer, got {slots}")
     unit = max(1, budget // slots)
     arrays = rotor_arrays(chain, unit)
-    return unit, arrays, slots - int(arrays.x[0])
+    return unit, arrays, min(slots, budget // unit) - int(arrays.x[0])  # fewer than slots when budget < slots
 
 
-def rotor(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Solution:
-    """The fastest schedule whose peak fits ``budget`` at ``slots`` discretisation.
+def table_bytes(stages: int, levels: int) -> int:
+    """Bytes of Rotor's table over ``stages`` stages with ``levels`` memory levels (float64 entries)."""
+    return (stages + 1) ** 2 * levels * 8
+
+
+def table_work(stages: int, levels: int) -> float:
+    """Additions filling that table: every sub-chain, every split, every level."""
+    return stages ** 3 / 6 * levels
+
+
+def merge_stages(chain: Chain, bounds) -> Chain:
+    """The chain whose stage ``g`` runs stages ``bounds[g]..bounds[g+1]-1`` of ``chain`` one after the other.
+
+    Its sizes bound the originals' in the simulator's model: a merged ``F_all`` is the stages' ``F_all`` in
+    order (saved: their sum; the forward temporary covers each one's peak over those before it), ``F_ck`` is
+    ``F_ck`` then ``F_none``, ``F_none`` all ``F_none``, ``B`` the backwards in reverse (its temporary covers
+    every inner backward's peak, the inner gradients and saved tensors included), with the same memory
+    after each operation, so a schedule of the merged chain, expanded by :func:`expand_schedule`, peaks no
+    higher on ``chain`` and takes the same time (checked by the tests).
+    """
+    stages, merged = chain.stages, []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        group = stages[start:end]
+        act = [chain.act_bytes(k) for k in range(start, end + 1)]
+        saved, forward_peak = 0, 0
+        for stage in group:
+            forward_peak = max(forward_peak, saved + stage.saved_bytes + stage.fwd_tmp_bytes)
+            saved += stage.saved_bytes
+        nograd_peak = max([group[0].out_bytes + group[0].nograd_tmp_bytes]
+                          + [act[k] + group[k].out_bytes + group[k].nograd_tmp_bytes for k in range(1, len(group))])
+        # backward: the memory before each inner B, relative to before the group's first, and each one's peak
+        offset, backward_peak = 0, 0
+        for k in range(len(group) - 1, -1, -1):
+            stage = group[k]
+            backward_peak = max(backward_peak, offset + act[k] + stage.bwd_tmp_bytes)
+            if k > 0:  # B k frees ā_{k+1}, δ_{k+1}; keeps its parameter gradients and δ_k; ā_k shrinks
+                previous = group[k - 1]
+                offset += (stage.param_bytes + act[k] - stage.own_saved_bytes - stage.out_bytes
+                           - (previous.saved_bytes - previous.own_saved_bytes))
+        merged.append(Stage(
+            name=group[0].name if len(group) == 1 else f"{group[0].name}..{group[-1].name}",
+            fwd_time=sum(stage.fwd_time for stage in group), bwd_time=sum(stage.bwd_time for stage in group),
+            out_bytes=act[-1], saved_bytes=saved,
+            own_saved_bytes=saved - group[-1].saved_bytes + group[-1].own_saved_bytes,
+            fwd_tmp_bytes=max(0, forward_peak - saved), nograd_tmp_bytes=max(0, nograd_peak - act[-1]),
+            bwd_tmp_bytes=max(0, backward_peak - act[0]), param_bytes=sum(stage.param_bytes for stage in group)))
+    return Chain(name=f"{chain.name}_in_{len(merged)}_groups", device=chain.device, input_bytes=chain.input_bytes,
+                 stages=tuple(merged), loss=chain.loss)
+
+
+def expand_schedule(schedule, bounds) -> tuple:
+    """A schedule of :func:`merge_stages`' chain as operations on the original stages."""
+    ops = []
+    for op in schedule:
+        if op.kind == "Loss":
+            ops.append(op)
+            continue
+        start, end = bounds[op.stage], bounds[op.stage + 1]
+        if op.kind == "F_all":
+            ops.extend(Op("F_all", k) for k in range(start, end))
+        elif op.kind == "F_ck":
+            ops.append(Op("F_ck", start))
+            ops.extend(Op("F_none", k) for k in range(start + 1, end))
+        elif op.kind == "F_none":
+            ops.extend(Op("F_none", k) for k in range(start, end))
+        else:
+            ops.extend(Op("B", k) for k in range(end - 1, start - 1, -1))
+    return tuple(ops)
+
+
+def _inflation(chain: Chain, arrays: RotorArrays, unit: int) -> float:
+    """How much rounding to ``unit`` inflates the store-all footprint (input, saved tensors, gradients)."""
+    exact = chain.input_bytes + sum(s.saved_bytes + s.param_bytes for s in chain.stages)
+    return (int(arrays.x[0]) + int(arrays.xbar.sum()) + int(arrays.param_prefix[-1])) * unit / max(1, exact) - 1
+
+
+def _split_levels(chain: Chain, budget: int, levels: int):
+    """``(unit, slots, headroom)``: the table's ``levels`` split into the budget's ``slots`` (``unit = budget //
+    slots``) and ``headroom`` levels above it. The budget keeps them all while rounding to ``budget // levels``
+    inflates the store-all footprint by less than ``HEADROOM_FROM``; beyond, it gets ``levels / (1 + 2 ×
+    inflation)`` of them (the inflation taken at the unit that gives, in three steps), at least ``levels / (1 +
+    MAX_HEADROOM)``: a schedule at the budget's level loses that inflation, one above it may fit in bytes."""
+    levels = max(1, min(levels, budget))
+    unit = budget // levels
+    inflation = _inflation(chain, rotor_arrays(chain, unit), unit)
+    if inflation < HEADROOM_FROM:
+        return unit, levels, 0
+    slots = levels
+    for _ in range(3):
+        slots = max(1, round(levels / (1 + min(MAX_HEADROOM, 2 * inflation))))
+        unit = budget // slots
+        inflation = _inflation(chain, rotor_arrays(chain, unit), unit)
+    return unit, slots, levels - slots
+
+
+def _most_stages(levels: int, length: int) -> int:
+    """The most stages (at most ``length``) whose table of ``levels`` fits both limits."""
+    stages = length
+    while stages > 1 and (table_bytes(stages, levels) > TABLE_LIMIT_BYTES
+                          or table_work(stages, levels) > WORK_LIMIT):
+        stages = min(stages - 1, int(stages * 0.98))
+    return stages
+
+
+def automatic_resolution(chain: Chain, budget: int):
+    """``(bounds, unit, slots, headroom)`` for ``slots=None``: the table keeps ``DEFAULT_SLOTS`` levels, as
+    the published default, over every stage, or over as many groups of consecutive stages as the limits allow
+    (``bounds``; None: every stage its own); they are split by :func:`_split_levels`."""
+    groups = _most_stages(DEFAULT_SLOTS + 1, chain.length)
+    bounds = None if groups == chain.length else tuple(segment_bounds(chain.length, groups))
+    problem = chain if bounds is None else merge_stages(chain, bounds)
+    return (bounds, *_split_levels(problem, budget, DEFAULT_SLOTS))
+
+
+class _Levels:
+    """Rotor's table for ``chain`` (merged into ``bounds`` groups, or not) at ``unit`` up to level ``top``, and
+    the schedule of each level, expanded to the original stages and replayed."""
+
+    def __init__(self, chain: Chain, bounds, unit: int, top: int):
+        self.bounds = bounds
+        self.problem = chain if bounds is None else merge_stages(chain, bounds)
+        self.arrays = rotor_arrays(self.problem, unit)
+        self.opt = compute_table(self.arrays, top)
+        self.simulator = ChainSimulator(chain)
+        self._replays = {}
+
+    def feasible(self, level: int) -> bool:
+        return bool(np.isfinite(self.opt[0, self.problem.length, level])) and final_state_fits(self.arrays, level)
+
+    def lowest(self):
+        """The least level with a schedule (None: none up to the top): feasibility only grows with the level."""
+        finite = np.flatnonzero(np.isfinite(self.opt[0, self.problem.length]))
+        return next((int(level) for level in finite if final_state_fits(self.arrays, int(level))), None)
+
+    def replay(self, level: int):
+        """``(schedule, SimResult)`` of the table's schedule at ``level`` on the original chain."""
+        if level not in self._replays:
+            a, opt = self.arrays, self.opt
+            schedule = build_schedule(a, lambda i, end, m: best_choice(a, opt, i, end, m), level)
+            schedule = schedule if self.bounds is None else expand_schedule(schedule, self.bounds)
+            self._replays[level] = schedule, self.simulator.run(schedule)
+        return self._replays[level]
+
+    def fits(self, level: int, budget: int) -> bool:
+        return self.feasible(level) and self.replay(level)[1].peak_bytes <= budget
+
+
+def _highest_fitting_level(levels: _Levels, budget: int, base: int, top: int):
+    """The highest level up to ``top`` whose schedule fits ``budget`` in bytes, by bisection from the lowest
+    feasible one (every level up to ``base``, the budget's, fits by construction); None when none does."""
+    lowest = levels.lowest()
+    if lowest is None:
+        return None
+    low = max(lowest, min(base, top))
+    if not levels.fits(low, budget):
+        return None
+    if levels.fits(top, budget):
+        return top
+    high = top - 1  # the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if levels.fits(middle, budget):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def fastest_revolve(chain: Chain, budget: int):
+    """``(seconds, schedule)``: Revolve's binomial schedule with the most snapshots whose peak fits ``budget``
+    (doubling, then bisecting: Revolve's own answer where the peak grows with the snapshots, while its table
+    stays as small as the answer), or None."""
+    simulator, length = ChainSimulator(chain), chain.length
+    replays = {}
+
+    def fits(snapshots):
+        if snapshots not in replays:
+            schedule = revolve_schedule(length, snapshots)
+            replays[snapshots] = schedule, simulator.run(schedule)
+        return replays[snapshots][1].peak_bytes <= budget
+
+    if not fits(1):
+        return None
+    low, high = 1, length  # low fits; the answer is in [low, high]
+    while low < high:
+        probe = min(high, 2 * low)
+        if fits(probe):
+            low = probe
+        else:
+            high = probe - 1
+            break
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    schedule, result = replays[low]
+    return result.time, schedule
+
+
+def _limit_error(chain: Chain, slots: int, levels: int) -> str:
+    most = max(0, TABLE_LIMIT_BYTES // ((chain.length + 1) ** 2 * 8) - 1)
+    return (f"rotor: {slots} slots on {chain.length} stages need a {format_bytes(table_bytes(chain.length, levels))} "
+            f"table, above its {format_bytes(TABLE_LIMIT_BYTES)} limit (solvers.rotor.TABLE_LIMIT_BYTES); give at "
+            f"most {most} slots, or none to let rotor choose (it merges stages to fit)")
+
+
+def check_length(chain: Chain) -> None:
+    """Refuse, in one line, a chain longer than ``MAX_STAGES``: its exact least memory alone takes minutes."""
+    if chain.length > MAX_STAGES:
+        raise MemschedError(f"rotor: {chain.length} stages is above its limit of {MAX_STAGES} (solvers.rotor."
+                            "MAX_STAGES; the exact least memory costs O(L³) time); profile the model in fewer, "
+                            "larger stages")
+
+
+def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
+    """The fastest schedule whose peak fits ``budget``, at ``slots`` discretisation (None: chosen from the
+    chain, see the module docstring; the plan's ``params`` record what was used).
 
     Rounding sizes up can hide schedules that fit in exact bytes at the two
     ends of the budget range, so both ends are checked in bytes first: when
     storing everything fits, that is the optimum; when the discretised table
     has no schedule, the least-memory schedule is returned if it fits (not
     marked optimal). Rounding can also hide a schedule whose peak is within a
-    few units of the budget: on chains of up to ``SEGMENTS_CHECKED_UP_TO``
-    stages every segment schedule (Chen's and ``checkpoint_sequential``'s
-    cuts) is checked in bytes too, and one faster than the table's is returned
-    (not marked optimal), so Rotor is never slower than them at any budget.
+    few units of the budget: every segment schedule (Chen's and
+    ``checkpoint_sequential``'s cuts) is checked in bytes too, and Revolve's
+    where the plan is slower than any Revolve schedule can be; one faster than
+    the table's is returned (not marked optimal), so Rotor is never slower than
+    them at any budget.
     """
-    params = {"slots": slots}
+    length = chain.length
+    check_length(chain)
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1):
+        raise MemschedError(f"rotor: slots must be a positive integer, got {slots}")
+    if slots is None:
+        bounds, unit, units, headroom = automatic_resolution(chain, budget)
+        params = {"slots": units}
+        if headroom:
+            params["headroom_slots"] = headroom
+        if bounds is not None:
+            params["stage_groups"] = len(bounds) - 1
+    else:
+        bounds, unit, headroom = None, max(1, budget // slots), 0
+        units = min(slots, budget // unit)  # as discretise: fewer than slots when budget < slots
+        params = {"slots": slots}
     simulator = ChainSimulator(chain)
-    store_all = store_all_schedule(chain.length)
+    store_all = store_all_schedule(length)
     if simulator.run(store_all).peak_bytes <= budget:
         return Solution(store_all, params=params, optimal=True)
-    unit, arrays, top = discretise(chain, budget, slots)
-    found = None
+    x0 = -(-chain.input_bytes // unit)
+    base, top = units - x0, units + headroom - x0
+    if slots is not None and table_bytes(length, top + 1) > TABLE_LIMIT_BYTES:
+        raise MemschedError(_limit_error(chain, slots, top + 1))
+    found, found_time = None, np.inf
     if top >= 0:
-        opt = compute_table(arrays, top)
-        if np.isfinite(opt[0, chain.length, top]) and final_state_fits(arrays, top):
-            schedule = build_schedule(arrays, lambda i, end, m: best_choice(arrays, opt, i, end, m), top)
-            found = Solution(schedule, params=params, optimal=True)
-    if chain.length <= SEGMENTS_CHECKED_UP_TO:
-        segments = fastest_segments(chain, budget)
-        if segments is not None and (found is None or segments[0] < simulator.run(found.schedule).time):
-            found = Solution(segments[1], params=params, optimal=False)
-    if found is not None:
-        return found
-    least = least_memory_schedule(chain)
-    if simulator.run(least).peak_bytes <= budget:
-        return Solution(least, params=params, optimal=False)
-    raise MemschedError(f"rotor: no schedule fits {budget} bytes; the least memory any schedule needs is above it")
+        levels = _Levels(chain, bounds, unit, top)
+        level = _highest_fitting_level(levels, budget, base, top)
+        if level is not None:
+            schedule, result = levels.replay(level)
+            # at or above the budget's level, as fast as any schedule that fits at this discretisation
+            optimal = bounds is None and base >= 0 and levels.feasible(base)
+            found, found_time = Solution(schedule, params=params, optimal=optimal), result.time
+    segments = fastest_segments(chain, budget)
+    if segments is not None and segments[0] < found_time:
+        found, found_time = Solution(segments[1], params=params, optimal=False), segments[0]
+    if found is None:
+        least = least_memory_schedule(chain)
+        result = simulator.run(least)
+        if result.peak_bytes <= budget:
+            found, found_time = Solution(least, params=params, optimal=False), result.time
+    # Revolve runs F_all and B once per stage, the loss once, and advances every stage but the last at least
+    # once: no faster than this bound. Only a plan slower than it (a tight budget: few snapshots) is checked.
+    if found_time > (chain.compute_time + sum(s.fwd_time for s in chain.stages[:-1])) * (1 - 1e-9):
+        binomial = fastest_revolve(chain, budget)
+        if binomial is not None and binomial[0] < found_time:
+            found, found_time = Solution(binomial[1], params=params, optimal=False), binomial[0]
+    if found is None:
+        raise MemschedError(f"rotor: no schedule fits {budget} bytes; the least memory any schedule needs is "
+                            "above it")
+    return found

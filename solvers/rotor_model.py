@@ -25,8 +25,9 @@ class RotorArrays:
     fwd_tmp: np.ndarray  # per stage (forward with autograd), loss 0
     nograd_tmp: np.ndarray  # per stage (forward without autograd), loss 0
     bwd_tmp: np.ndarray  # per stage, loss tmp last
-    params: np.ndarray  # parameter gradients per stage, loss 0
-    param_prefix: np.ndarray  # param_prefix[k] = sum of params[:k]
+    params: np.ndarray  # parameter gradients per stage, loss 0 (np.diff of param_prefix)
+    param_prefix: np.ndarray  # param_prefix[k] = sum of params[:k]; param_prefix[-1] - param_prefix[k] is the
+    # suffix k.. rounded up as a whole
     fwd_time: np.ndarray  # seconds, loss 0
     bwd_time: np.ndarray  # seconds, loss backward last
 
@@ -42,7 +43,14 @@ def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
         return -(-np.asarray(values, dtype=np.int64) // unit)
 
     stages = chain.stages
-    params = units([s.param_bytes for s in stages] + [0])
+    # Parameter gradients are only ever held as a suffix: those of every stage after the last backward run.
+    # Rounding the bytes of each suffix up (not each stage's) keeps every held set conservative with at most
+    # one unit lost in all, where rounding stage by stage lost up to a unit per stage: at L stages and a unit
+    # of budget // L or more, that was the whole budget (issue 19).
+    suffix = np.cumsum([0] + [s.param_bytes for s in reversed(stages)])[::-1]  # suffix[k]: stages k..L-1
+    suffix_units = units(np.append(suffix, 0))  # index L+1: the loss has none
+    param_prefix = (suffix_units[0] - suffix_units).astype(np.int64)
+    params = np.diff(param_prefix)
     return RotorArrays(
         x=units([chain.input_bytes] + [s.out_bytes for s in stages] + [0]),
         xbar=units([0] + [s.saved_bytes for s in stages] + [0]),
@@ -51,7 +59,7 @@ def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
         nograd_tmp=units([s.nograd_tmp_bytes for s in stages] + [0]),
         bwd_tmp=units([s.bwd_tmp_bytes for s in stages] + [chain.loss.tmp_bytes]),
         params=params,
-        param_prefix=np.concatenate([[0], np.cumsum(params)]).astype(np.int64),
+        param_prefix=param_prefix,
         fwd_time=np.array([s.fwd_time for s in stages] + [0.0]),
         bwd_time=np.array([s.bwd_time for s in stages] + [chain.loss.bwd_time]),
     )

@@ -10,6 +10,8 @@ budget-aware form tries every ``k`` and keeps the fastest that fits.
 
 import math
 
+import numpy as np
+
 from planner.chain import Chain
 from planner.plan import Op
 from planner.simulator import ChainSimulator
@@ -54,18 +56,51 @@ def segments_schedule(length: int, segments: int, bounds=None) -> tuple:
 def fastest_segments(chain: Chain, budget: int):
     """``(seconds, schedule)``: the fastest segment schedule within ``budget`` bytes, or None.
 
-    Both cuts count, near-equal (Chen's) and ``checkpoint_sequential``'s, for every segment count.
+    Both cuts count, near-equal (Chen's) and ``checkpoint_sequential``'s, for every segment count. A segment
+    schedule's time depends only on where its last segment starts (every stage before it runs forward twice),
+    so the cuts are replayed fastest first, and one whose memory before a segment's first backward (exact, from
+    prefix sums) or at the end (the input, its gradient and every parameter gradient) is above the budget is
+    skipped unreplayed: a few replays, not ``2L``, on long chains.
+    The answer is the one replaying every cut in order of count would give (ties to the smaller count).
     """
+    length = chain.length
+    if 2 * chain.input_bytes + sum(s.param_bytes for s in chain.stages) > budget:
+        return None
+    stages = chain.stages
+    act = np.array([chain.act_bytes(i) for i in range(length + 1)], dtype=np.int64)
+    saved_prefix = np.concatenate([[0], np.cumsum([s.saved_bytes for s in stages])])
+    shrink = np.array([0] + [s.saved_bytes - s.own_saved_bytes for s in stages], dtype=np.int64)  # at index i+1
+    param_suffix = np.concatenate([np.cumsum([s.param_bytes for s in reversed(stages)])[::-1], [0]])
+    fwd_prefix = np.concatenate([[0.0], np.cumsum([s.fwd_time for s in stages])])
+    compute_time = chain.compute_time
+    candidates = []
+    for count in range(1, length + 1):
+        base, extra = divmod(length, count)
+        steps = np.arange(count + 1)
+        chen = steps * base + np.minimum(steps, extra)  # segment_bounds, as an array
+        sequential = np.minimum(steps * (length // count), length)
+        sequential[-1] = length  # checkpoint_sequential_bounds
+        cuts = [chen] if np.array_equal(chen, sequential) else [chen, sequential]
+        for bounds in cuts:
+            starts, ends = bounds[:-1], bounds[1:]
+            # the memory once each segment's forwards with autograd have run, before its first backward: the
+            # checkpoints up to its input, its saved tensors (the last one shrunk: δ of its output exists, or
+            # comes with the loss), δ of its output and the parameter gradients of every later stage
+            held = (np.cumsum(act[starts]) + saved_prefix[ends] - saved_prefix[starts] - shrink[ends] + act[ends]
+                    + param_suffix[ends])
+            if int(held.max()) <= budget:
+                candidates.append((compute_time + float(fwd_prefix[starts[-1]]), count, tuple(bounds.tolist())))
+    candidates.sort()
     simulator = ChainSimulator(chain)
-    best = None
-    for count in range(1, chain.length + 1):
-        cuts = {tuple(segment_bounds(chain.length, count)), tuple(checkpoint_sequential_bounds(chain.length, count))}
-        for bounds in sorted(cuts):
-            schedule = segments_schedule(chain.length, count, list(bounds))
-            result = simulator.run(schedule)
-            if result.peak_bytes <= budget and (best is None or result.time < best[0]):
-                best = (result.time, schedule)
-    return best
+    best = None  # (seconds, count, bounds, schedule)
+    for estimate, count, bounds in candidates:
+        if best is not None and estimate > best[0] * (1 + 1e-9):
+            break  # this cut and every later one are slower than the best (estimates exact but for rounding)
+        schedule = segments_schedule(length, count, list(bounds))
+        result = simulator.run(schedule)
+        if result.peak_bytes <= budget and (best is None or (result.time, count, bounds) < best[:3]):
+            best = (result.time, count, bounds, schedule)
+    return None if best is None else (best[0], best[3])
 
 
 def sqrt(chain: Chain, budget: int, segments: int = None) -> Solution:

@@ -215,6 +215,7 @@ def problems(tmp_path_factory):
     folder = tmp_path_factory.mktemp("interrupts")
     save_chain(random_chain(3000, seed=2), folder / "long.json")  # its least-memory table runs for seconds
     save_chain(random_chain(300, seed=1, tmp=True, params=True), folder / "pofo.json")
+    save_chain(random_chain(800, seed=3), folder / "rotor.json")  # at 60 slots: a 0.3 GB table, seconds to fill
     save_graph(random_graph(3, 40, shape="transformer"), folder / "small.json")  # HiGHS in this process
     save_graph(random_graph(3, 120, shape="transformer"), folder / "large.json")  # HiGHS in a child process
     return folder
@@ -229,6 +230,12 @@ def test_interrupt_in_the_least_memory_table(problems):
 def test_interrupt_in_the_pofo_table(problems):
     assert_interrupted(*interrupted(["solve", str(problems / "pofo.json"), "--budget", "30%", "--solver", "pofo",
                                      "--bandwidth", "2GB/s", "--slots", "80"], [("solvers.pofo", "_fill_spans")]))
+
+
+def test_interrupt_in_the_rotor_table(problems):
+    # the table used to be one numba call, interrupted inside numba's boxing as the least-memory table was
+    assert_interrupted(*interrupted(["solve", str(problems / "rotor.json"), "--budget", "40%", "--solver", "rotor",
+                                     "--slots", "60"], [("sys.modules['solvers.rotor']", "_fill_spans")]))  # (solvers.rotor: the function)
 
 
 @pytest.mark.parametrize("graph, solver, mark", [
