@@ -9,7 +9,7 @@
   runs is raised when it returns, inside numba's boxing of its result (a
   segmentation fault or a ``SystemError``). The tables are therefore filled
   in place, by kernels that return nothing, over chunks of a few
-  milliseconds (:func:`span_chunks`), with the deadline checked between
+  milliseconds (:func:`fill_by_spans`), with the deadline checked between
   chunks; the interrupt is then raised in Python between two chunks. A
   kernel's compilation (the first solve after an install or an edit) is left
   out of the deadline (:meth:`Deadline.exclude`).
@@ -149,12 +149,26 @@ def run_interruptibly(run, stop, grace: float = STOP_GRACE):
     return outcome.get("value")
 
 
-def span_chunks(length: int, work):
-    """``(first, last)`` ranges of spans ``1..length`` (``last`` excluded) each worth about :data:`CHUNK_WORK`
-    inner steps, ``work(span)`` being the steps of one span: a table filled span by span, chunk by chunk."""
-    first, total = 1, 0
+def fill_by_spans(length: int, work, fill, deadline: Deadline = None, what: str = "filling a table",
+                  warm_up=None) -> None:
+    """Fill a table of sub-chains span by span: ``fill(first, last)`` (a kernel filling spans ``first..last-1``
+    in place) over consecutive ranges of spans ``1..length``, each worth about :data:`CHUNK_WORK` inner steps
+    (``work(span)`` being one span's), so that a Ctrl-C is raised between two kernel calls; ``deadline`` is
+    checked between them (:class:`TimeLimitReached` naming ``what``). ``warm_up()`` runs first, its seconds
+    left out of the deadline (:meth:`Deadline.exclude`): the kernels' compilation, and whatever they fill
+    before the spans."""
+    if warm_up is not None:
+        if deadline is None:
+            warm_up()
+        else:
+            deadline.exclude(warm_up)
+    progress = Progress(deadline, what, sum(work(span) for span in range(1, length + 1)))
+    first, total, done = 1, 0, 0
     for span in range(1, length + 1):
         total += work(span)
         if total >= CHUNK_WORK or span == length:
-            yield first, span + 1
+            fill(first, span + 1)
+            done += total
+            if span < length:
+                progress.step(done)
             first, total = span + 1, 0

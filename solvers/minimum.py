@@ -12,7 +12,7 @@ import numba
 import numpy as np
 
 from planner.chain import Chain
-from solvers.limits import Deadline, Progress, span_chunks
+from solvers.limits import Deadline, fill_by_spans
 from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
@@ -60,19 +60,10 @@ def _least_memory_table(a, deadline: Deadline = None):
         _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, need, choice,
                             1, 1)
 
-    if deadline is None:
-        compile_kernels()
-    else:
-        deadline.exclude(compile_kernels)
-    progress = Progress(deadline, "computing the least memory", sum((length + 1 - span) * span
-                                                                    for span in range(1, length + 1)))
-    done = 0
-    for first, last in span_chunks(length, lambda span: (length + 1 - span) * span):
-        _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, need, choice,
-                            first, last)
-        done += sum((length + 1 - span) * span for span in range(first, last))
-        if last <= length:
-            progress.step(done)
+    fill_by_spans(length, lambda span: (length + 1 - span) * span,
+                  lambda first, last: _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp,
+                                                          a.param_prefix, need, choice, first, last),
+                  deadline, "computing the least memory", warm_up=compile_kernels)
     return need, choice
 
 

@@ -42,7 +42,7 @@ schedule are offloaded by the exact solver instead, and the fastest plan that fi
 ``time_limit`` is a deadline for the whole solve, started when :func:`pofo` is called: the table is filled
 chunk by chunk and stops at it (an error that says what limit would do: there is no plan yet), and the
 re-timing only gets what the table and Rotor's plan left (nothing once the deadline has passed: the table's
-plan is returned). The chunks also let Ctrl-C through within milliseconds (see :mod:`solvers.minimum`).
+plan is returned). The chunks also let Ctrl-C through within milliseconds (see :mod:`solvers.limits`).
 """
 
 import math
@@ -57,7 +57,7 @@ from planner.simulator import ChainSimulator, simulate
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
-from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, span_chunks
+from solvers.limits import Deadline, TimeLimitReached, enough_time, fill_by_spans
 from solvers.minimum import minimum_budget
 from solvers.offload import OffloadSolution, channel_of, offload_within
 from solvers.rotor import DEFAULT_SLOTS, discretise, final_state_fits, rotor
@@ -196,22 +196,15 @@ class PofoTables:
             _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
                         a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, 1, 1)
 
-        if deadline is None:
-            compile_kernels()
-        else:
-            deadline.exclude(compile_kernels)  # a one-off cost: not the solve's
-
         def work(span):  # inner steps of one span: two tables, its sub-chains, their leaves, the memory states
             return 2 * (length + 1 - span) * span * (top + 1)
 
-        # chunk by chunk, so that Ctrl-C and the deadline are seen within milliseconds (solvers.minimum)
-        progress, done = Progress(deadline, "filling its table", sum(work(span) for span in range(1, length + 1))), 0
-        for first, last in span_chunks(length, work):
+        def fill(first, last):
             _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
                         a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, first, last)
-            done += sum(work(span) for span in range(first, last))
-            if last <= length:
-                progress.step(done)
+
+        # chunk by chunk, so that Ctrl-C and the deadline are seen within milliseconds (solvers.limits)
+        fill_by_spans(length, work, fill, deadline, "filling its table", warm_up=compile_kernels)
 
     def schedule(self, k: int, e: int, m: int, kind: int) -> list:
         """The operations behind ``time[kind][k, e, m]``."""

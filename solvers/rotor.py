@@ -55,7 +55,7 @@ from planner.plan import Op
 from planner.simulator import ChainSimulator
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
-from solvers.limits import span_chunks
+from solvers.limits import fill_by_spans
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.revolve import revolve_schedule
@@ -153,9 +153,9 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
     opt = np.empty((length + 1, length + 1, top + 1))
     _fill_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.fwd_time, a.bwd_time, opt)
     # In chunks of a few milliseconds: a Ctrl-C is raised between two of them, never inside numba (solvers/limits.py).
-    for first, last in span_chunks(length, lambda span: (length + 1 - span) * span * (top + 1)):
-        _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time, a.bwd_time,
-                    opt, first, last)
+    fill_by_spans(length, lambda span: (length + 1 - span) * span * (top + 1),
+                  lambda first, last: _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp,
+                                                  a.param_prefix, a.fwd_time, a.bwd_time, opt, first, last))
     return opt
 
 
@@ -193,9 +193,16 @@ def discretise(chain: Chain, budget: int, slots: int):
     """``(unit, arrays, top)``: the unit in bytes, the arrays in units, and the units left once the input is held."""
     if slots < 1:
         raise MemschedError(f"rotor: slots must be a positive integer, got {slots}")
-    unit = max(1, budget // slots)
+    unit, levels = units_of(budget, slots)
     arrays = rotor_arrays(chain, unit)
-    return unit, arrays, min(slots, budget // unit) - int(arrays.x[0])  # fewer than slots when budget < slots
+    return unit, arrays, levels - int(arrays.x[0])
+
+
+def units_of(budget: int, slots: int) -> tuple:
+    """``(unit, units)``: ``budget`` in ``slots`` units of ``budget // slots`` bytes (at least 1), and how many
+    whole units it holds (fewer than ``slots`` when the budget is below ``slots`` bytes)."""
+    unit = max(1, budget // slots)
+    return unit, min(slots, budget // unit)
 
 
 def table_bytes(stages: int, levels: int) -> int:
@@ -441,8 +448,8 @@ def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
         if bounds is not None:
             params["stage_groups"] = len(bounds) - 1
     else:
-        bounds, unit, headroom = None, max(1, budget // slots), 0
-        units = min(slots, budget // unit)  # as discretise: fewer than slots when budget < slots
+        bounds, headroom = None, 0
+        unit, units = units_of(budget, slots)
         params = {"slots": slots}
     simulator = ChainSimulator(chain)
     store_all = store_all_schedule(length)

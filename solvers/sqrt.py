@@ -21,18 +21,27 @@ from solvers.result import Solution
 
 def segment_bounds(length: int, segments: int) -> list:
     """Start indices of ``segments`` near-equal segments, plus ``length`` at the end."""
-    base, extra = divmod(length, segments)
-    bounds = [0]
-    for c in range(segments):
-        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
-    return bounds
+    return _near_equal_cut(length, segments).tolist()
 
 
 def checkpoint_sequential_bounds(length: int, segments: int) -> list:
     """The cut of ``torch.utils.checkpoint.checkpoint_sequential``: ``length // segments`` stages per segment
     from the start, the remainder in the last one."""
-    size = length // segments
-    return [size * c for c in range(segments)] + [length]
+    return _sequential_cut(length, segments).tolist()
+
+
+def _near_equal_cut(length: int, segments: int) -> np.ndarray:
+    """:func:`segment_bounds` as an array: the first ``length % segments`` segments one stage longer."""
+    base, extra = divmod(length, segments)
+    steps = np.arange(segments + 1)
+    return steps * base + np.minimum(steps, extra)
+
+
+def _sequential_cut(length: int, segments: int) -> np.ndarray:
+    """:func:`checkpoint_sequential_bounds` as an array."""
+    bounds = np.arange(segments + 1) * (length // segments)
+    bounds[-1] = length
+    return bounds
 
 
 def segments_schedule(length: int, segments: int, bounds=None) -> tuple:
@@ -75,11 +84,7 @@ def fastest_segments(chain: Chain, budget: int):
     compute_time = chain.compute_time
     candidates = []
     for count in range(1, length + 1):
-        base, extra = divmod(length, count)
-        steps = np.arange(count + 1)
-        chen = steps * base + np.minimum(steps, extra)  # segment_bounds, as an array
-        sequential = np.minimum(steps * (length // count), length)
-        sequential[-1] = length  # checkpoint_sequential_bounds
+        chen, sequential = _near_equal_cut(length, count), _sequential_cut(length, count)
         cuts = [chen] if np.array_equal(chen, sequential) else [chen, sequential]
         for bounds in cuts:
             starts, ends = bounds[:-1], bounds[1:]
