@@ -14,7 +14,16 @@ What a group (graph node) is:
 
 * **Fixed values** are not nodes: parameters, buffers, the example inputs, tensor
   constants the loss closes over (targets), and views of them (``t(weight)``);
-  their distinct storages are ``fixed_bytes``.
+  their distinct storages are ``fixed_bytes`` (a tied weight counts once).
+* **Parameter gradients**: one per parameter. ``aot_export_module`` traces each
+  name of a parameter shared under several names (tied weights: an embedding
+  and the output head) as its own input with its own gradient; those gradients
+  are added in the graph (``add`` operations after the last of them), and the
+  sum, under the parameter's first name, is the gradient kept. A parameter that
+  receives no gradient (an unused layer, a branch not taken on the example
+  inputs) is a fixed value only: it is traced as needing none (found by one
+  step on fake tensors first), so its ``.grad`` stays ``None``, as in the
+  plain step.
 * **Atoms**: every other operation is grouped with the operations whose results
   share a storage with it (views with their base, ``getitem`` with its
   multi-output operation), so no two nodes' values ever share memory.
@@ -114,13 +123,17 @@ class JointGraph:
         self.group_of = {}  # fx node -> group index
         self.fixed_views = []  # fx nodes computed from fixed values only, allocating nothing
         self.fixed_bytes = 0
-        self.param_grads = {}  # fx node -> parameter name
+        self.param_grads = {}  # fx node -> parameter name (a shared parameter's first name; one gradient each)
+        self.parameter_names = _first_names(module)  # every name of a parameter -> its first name
         self.buffer_updates = {}  # fx node -> name of the buffer it updates
         self.loss_node = None
 
     def fixed_values(self, inputs, fake_mode=None) -> dict:
-        """``{fx node: tensor}`` for placeholders and constants (fake copies under ``fake_mode``), then fixed views."""
-        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        """``{fx node: tensor}`` for placeholders and constants (fake copies under ``fake_mode``), then fixed views.
+
+        A tensor shared under several names (tied weights) is the value of each of its placeholders."""
+        named = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                 **dict(self.module.named_buffers(remove_duplicate=False))}
         sig = self.signature
         by_name = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
         user = iter(inputs)
@@ -140,6 +153,13 @@ class JointGraph:
     def buffer(self, name: str) -> torch.Tensor:
         """The model's buffer ``name`` (as the signature names it)."""
         return self.module.get_buffer(name)
+
+
+def _first_names(module) -> dict:
+    """``{name: first name}`` over every name of every parameter: a parameter shared under several names (tied
+    weights) is known by the first, the one ``named_parameters()`` lists."""
+    first = {}
+    return {name: first.setdefault(id(p), name) for name, p in module.named_parameters(remove_duplicate=False)}
 
 
 def _fake(mode, value):
@@ -202,7 +222,9 @@ def capture(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, device=
     traced_inputs = [_fake(fake_mode, t.detach()) for t in inputs]
     with quiet_fake_tensor_log(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
-            gm, signature = aot_export_module(module, traced_inputs, trace_joint=True, output_loss_index=0)
+            ungraded = _names_without_gradient(module, traced_inputs, fake_mode)
+            with _needing_no_gradient(module, ungraded):
+                gm, signature = aot_export_module(module, traced_inputs, trace_joint=True, output_loss_index=0)
         except MemschedError:
             raise
         except Exception as exc:  # the user's model: say what failed in one line
@@ -214,6 +236,7 @@ def capture(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, device=
     joint.buffer_updates = {outputs[k]: v for k, v in signature.buffers_to_mutate.items()}
     joint.loss_node = outputs[signature.user_outputs[0]]  # (backward_signature.loss_output is wrong with buffer updates)
     _split_parameter_gradients(joint)
+    _sum_shared_gradients(joint)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     _group(joint, nodes, inputs)
@@ -222,6 +245,44 @@ def capture(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, device=
 
 def _one_line(exc) -> str:
     return " ".join(str(exc).split())[:300]
+
+
+def _names_without_gradient(module, inputs, fake_mode) -> list:
+    """Names of parameters needing a gradient that the step gives none (an unused layer, a branch not taken).
+
+    Found by one step on fake tensors (nothing allocated), every name of a parameter its own leaf, as
+    ``aot_export_module`` traces them: a tied weight can receive a gradient through one name and none
+    through the other.
+    """
+    named = [(name, p) for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+    with fake_mode:
+        leaves = {name: _fake(fake_mode, p).detach().requires_grad_() for name, p in named}
+        buffers = {name: _fake(fake_mode, b).clone() for name, b in module.named_buffers(remove_duplicate=False)}
+        (loss,) = torch.func.functional_call(module, {**leaves, **buffers}, tuple(inputs), tie_weights=False)
+        if not leaves or not loss.requires_grad:
+            return []  # aot_export_module says what is wrong
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return [name for name, grad in zip(leaves, grads) if grad is None]
+
+
+@contextlib.contextmanager
+def _needing_no_gradient(module, names):
+    """The parameters ``names`` replaced, under those names only, by aliases that need no gradient.
+
+    ``aot_export_module`` refuses a parameter that needs a gradient and receives none; such a parameter is then
+    a fixed value of the graph, and its ``.grad`` stays ``None``, as in the plain step. Restored on exit.
+    """
+    swapped = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        swapped.append((holder, leaf, holder._parameters[leaf]))
+        holder._parameters[leaf] = torch.nn.Parameter(holder._parameters[leaf].detach(), requires_grad=False)
+    try:
+        yield
+    finally:
+        for holder, leaf, parameter in reversed(swapped):
+            holder._parameters[leaf] = parameter
 
 
 def _graph_outputs(gm) -> list:
@@ -269,6 +330,33 @@ def _split_parameter_gradients(joint: JointGraph) -> None:
                 joint.param_grads[replacement] = joint.param_grads.pop(user)
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
+
+
+def _sum_shared_gradients(joint: JointGraph) -> None:
+    """One gradient per parameter: the gradients of a shared parameter's names (tied weights) summed in the graph.
+
+    ``aot_export_module`` traces each name of a shared parameter as its own input, with its own gradient. They
+    are added, in graph order (the order autograd's engine receives them), by ``add`` operations after the
+    last of them; the sum is the parameter's gradient, under its first name, and the only one kept to the end.
+    """
+    gm = joint.gm
+    order = {node: k for k, node in enumerate(gm.graph.nodes)}
+    by_parameter = {}
+    for node, name in joint.param_grads.items():
+        by_parameter.setdefault(joint.parameter_names[name], []).append(node)
+    output = gm.graph.output_node()
+    results = list(output.args[0])
+    param_grads = {}
+    for name, nodes in by_parameter.items():
+        nodes.sort(key=order.get)
+        total, anchor = nodes[0], nodes[-1]
+        for node in nodes[1:]:
+            with gm.graph.inserting_after(anchor):
+                total = anchor = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, node))
+        results = [total if node is nodes[0] else node for node in results if node not in nodes[1:]]
+        param_grads[total] = name
+    output.args = (type(output.args[0])(results),)
+    joint.param_grads = param_grads
 
 
 # --------------------------------------------------------------------------------------------------
@@ -522,8 +610,8 @@ def _finish(joint: JointGraph, groups, preds, flops, order) -> None:
     for key in ordered:
         for node in groups[key]["members"]:
             joint.group_of[node] = index[key]
-    params = {node: parameter_name(joint.signature.inputs_to_parameters[node.name]) for node in joint.placeholders
-              if node.name in joint.signature.inputs_to_parameters}
+    params = {node: parameter_name(joint.parameter_names[joint.signature.inputs_to_parameters[node.name]])
+              for node in joint.placeholders if node.name in joint.signature.inputs_to_parameters}
     view_params = {}
     for node in joint.fixed_views:
         view_params[node] = {p for source in node.all_input_nodes

@@ -24,7 +24,9 @@ nodes first run in index order, the order of the eager step, so the masks are
 the eager ones); updated buffers (BatchNorm's running statistics) are written
 into the model by the first computation only; parameter gradients are written
 to ``.grad`` as autograd's AccumulateGrad does (taken when ``.grad`` is
-``None`` and the layout matches, else added). The loss is returned.
+``None`` and the layout matches, else added), one per parameter (a tied
+weight's is the sum of its uses, added in the graph); a parameter the step
+gives no gradient keeps its ``.grad``. The loss is returned.
 
 This module does not import the solvers: plans come in, steps go out.
 """
