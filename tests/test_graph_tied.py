@@ -143,13 +143,15 @@ def test_train_graph_follows_the_plan(solved, threads, capsys):
 def policy(solved):
     _, _, graph, plan = solved
     model = build()
-    return model, checkpointed_model(model, selective_policy(plan, graph, model))
+    selective = selective_policy(plan, graph, model)
+    return model, selective, checkpointed_model(model, selective)
 
 
 def test_selective_policy_runs_the_plain_step(solved, policy, threads):
-    """The policy's peak is not the plan's (``checkpoint`` keeps each stage's input: tests/test_selective.py)."""
+    """At the policy's own predicted peak; it is not the plan's (``checkpoint`` keeps each stage's input, and the
+    head's output, the logits, is the loss region's: tests/test_selective.py)."""
     _, _, graph, plan = solved
-    model, wrapped = policy
+    model, selective, wrapped = policy
     clear_grads(model)
     with LiveMemoryTracker() as tracker:
         activation = wrapped.example_inputs[0]
@@ -159,11 +161,14 @@ def test_selective_policy_runs_the_plain_step(solved, policy, threads):
         del activation
         loss.backward()
     measured, predicted = tracker.peak + graph.fixed_bytes, plan.predicted.peak_bytes
+    as_run = selective.predicted_peak_bytes
     inputs = sum(t.untyped_storage().nbytes() for t in model.example_inputs)
     eager = measured_peak(build()) - inputs + graph.fixed_bytes
-    print(f"selective policy, {threads} threads: measured {measured} B, predicted {predicted} B "
-          f"({measured / predicted:.4f}), plain step {eager} B, graph store-all {store_all_graph_peak(graph)} B")
+    print(f"selective policy, {threads} threads: measured {measured} B, the policy's prediction {as_run} B "
+          f"({measured / as_run:.4f}), the plan's {predicted} B ({measured / predicted:.4f}), plain step {eager} B, "
+          f"graph store-all {store_all_graph_peak(graph)} B")
     assert_plain_grads(model, f"selective policy, {threads} threads")
+    assert abs(measured / as_run - 1) <= 0.01
     assert measured < eager and measured <= MAX_RATIO * predicted
 
 
