@@ -5,6 +5,8 @@ and durations seconds on input; the text shows both bytes and a binary-unit
 form (planner.units.format_bytes).
 """
 
+import statistics
+
 from planner.plan import FORWARD_OPS, TRANSFER_OPS
 from planner.units import format_bytes
 
@@ -288,7 +290,9 @@ def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
 
 
 def training_table(plan, measured, plain) -> list:
-    """Per step: measured against predicted peak and time; then the planned steps against the unmodified model's."""
+    """Per step: measured against predicted peak and time; then the planned steps against the unmodified model's
+    (measured alternately with them): the largest peak of each, the median time with its range, and
+    :func:`time_comparison`."""
     predicted = plan.predicted
     lines = [f"{'step':>4} {'loss':>9} {'measured peak':>15} {'predicted':>11} {'ratio':>6} {'budget':>6} "
              f"{'measured s':>11} {'predicted s':>11}"]
@@ -298,13 +302,46 @@ def training_table(plan, measured, plain) -> list:
                      f"{step.seconds:11.4f} {predicted.time:11.4f}")
     peak = max(step.peak_bytes for step in measured)
     plain_peak = max(step.peak_bytes for step in plain)
-    seconds = sorted(step.seconds for step in measured)[len(measured) // 2]
-    plain_seconds = sorted(step.seconds for step in plain)[len(plain) // 2]
-    lines.append(f"unmodified model: peak {format_bytes(plain_peak)}, {plain_seconds:.4f} s per step (median)")
+    seconds, plain_seconds = [step.seconds for step in measured], [step.seconds for step in plain]
+    lines.append(f"unmodified model: peak {format_bytes(plain_peak)}, {_step_times(plain_seconds)}")
     lines.append(f"with the plan:    peak {format_bytes(peak)} ({1 - peak / plain_peak:.1%} less memory, "
-                 f"{peak / predicted.peak_bytes:.3f} of predicted), {seconds:.4f} s per step "
-                 f"({seconds / plain_seconds - 1:+.1%} time, predicted {predicted.overhead:+.1%})")
+                 f"{peak / predicted.peak_bytes:.3f} of predicted), {_step_times(seconds)}")
+    lines.append(f"time:             {time_comparison(seconds, plain_seconds, predicted.overhead)}")
     return lines
+
+
+def _step_times(seconds) -> str:
+    if len(seconds) == 1:
+        return f"{seconds[0]:.4f} s per step (one step)"
+    return (f"{statistics.median(seconds):.4f} s per step (median of {len(seconds)}, "
+            f"{min(seconds):.4f}-{max(seconds):.4f})")
+
+
+def time_spread(seconds) -> float:
+    """The relative spread of some step times: half their range over their median (``±`` that fraction)."""
+    return (max(seconds) - min(seconds)) / (2 * statistics.median(seconds))
+
+
+def time_comparison(seconds, plain_seconds, predicted_overhead: float) -> str:
+    """The planned steps' time against the unmodified model's, beside the predicted overhead (a fraction).
+
+    The measured difference is the ratio of the median times less one. It is
+    stated only when the noise is not above what is being checked: the
+    larger :func:`time_spread` of the two sets must be at most the measured
+    difference or the predicted one, whichever is larger (else either could
+    be noise: the machine is too loaded, or too variable, for the figures to
+    say anything). One step of each has no spread: the difference is stated as
+    such.
+    """
+    difference = statistics.median(seconds) / statistics.median(plain_seconds) - 1
+    if len(seconds) < 2 or len(plain_seconds) < 2:
+        return (f"{difference:+.1%} with the plan (one step of each: no spread measured), "
+                f"predicted {predicted_overhead:+.1%}")
+    spread = max(time_spread(seconds), time_spread(plain_seconds))
+    if spread > max(abs(difference), abs(predicted_overhead)):
+        return (f"not comparable on this machine now (spread ±{spread:.1%}; medians {difference:+.1%}, "
+                f"predicted {predicted_overhead:+.1%})")
+    return f"{difference:+.1%} with the plan (spread ±{spread:.1%}), predicted {predicted_overhead:+.1%}"
 
 
 def pipeline_lines(plan, device_memory: int = None) -> list:

@@ -21,8 +21,9 @@ _module_counter = itertools.count()
 
 
 def load_model(spec: str, *, batch: int = None, estimate: bool = False):
-    """``(model, fake_mode)``: the :class:`profiles.zoo.ChainModel` that ``spec`` names, built under a fresh
-    ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that mode, else None)."""
+    """``(model, fake_mode)``: the :class:`profiles.zoo.ChainModel` that ``spec`` names, its parameters, buffers
+    and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that mode,
+    else None; see :func:`profiles.chain_profiler.build_fake`)."""
     if _is_file_spec(spec):
         path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")
         factory = _file_factory(Path(path + ".py"), function or "build", batch)
@@ -36,7 +37,7 @@ def load_model(spec: str, *, batch: int = None, estimate: bool = False):
     if estimate:
         from profiles.chain_profiler import build_fake
 
-        mode, built = build_fake(lambda: _call(factory, spec))
+        mode, built = _call(lambda: build_fake(factory), spec)
         return _as_model(built, name, spec), mode
     return _as_model(_call(factory, spec), name, spec), None
 

@@ -1,5 +1,8 @@
 """Training steps, measured: the planned model and the unmodified one, step by step (bytes and seconds).
 
+The two are measured alternately (:func:`measure_alternately`), so that a load
+on the machine that comes and goes slows both alike rather than one of them.
+
 Each measured window is one forward, loss and backward, opened with gradients
 set to ``None`` and the optimizer's state already created; ``optimizer.step()``
 runs after it (parameters and optimizer state are outside the budget). Peaks
@@ -78,6 +81,18 @@ def measure_steps(step, parameters, optimizer, steps: int, device, resident_byte
         measures.append(StepMeasure(peak_bytes=peak + resident_bytes, seconds=seconds, loss=loss))
         optimizer.step()
     return measures
+
+
+def measure_alternately(planned_step, plain_step, parameters, optimizer, steps: int, device,
+                        resident_bytes: int) -> tuple:
+    """``(planned, plain)``: ``steps`` measures of each (:class:`StepMeasure`), taken planned, plain, planned,
+    plain, ... each as :func:`measure_steps` takes one (its peak in a window of its own, then its time), each
+    followed by its optimizer step."""
+    planned, plain = [], []
+    for _ in range(steps):
+        planned += measure_steps(planned_step, parameters, optimizer, 1, device, resident_bytes)
+        plain += measure_steps(plain_step, parameters, optimizer, 1, device, resident_bytes)
+    return planned, plain
 
 
 def input_bytes(inputs) -> int:

@@ -7,6 +7,7 @@ refuses a schedule that does not fit. The solver modules (highspy, pulp for CBC,
 imported when first used. Solvers never import torch.
 """
 
+import dataclasses
 import importlib
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from planner.graph import Graph, store_all_graph_schedule
 from planner.graph_simulator import GraphSimulator
 from planner.plan import Plan, Predicted
 from planner.units import format_bytes
-from solvers.limits import Deadline
+from solvers.limits import Deadline, enough_time
 from solvers.result import solver_params
 
 
@@ -83,24 +84,81 @@ def graph_minimum(graph: Graph, time_limit: float = 10.0):
 
 
 def choose_graph_solver(graph: Graph, budget: int) -> str:
-    """``auto``: store everything when it fits (no overhead), else Checkmate's exact MILP."""
+    """``auto``: store everything when it fits (no overhead), else Checkmate's exact MILP (and, when no
+    frontier-advancing schedule fits, Moccasin over any order: see :func:`solve_graph`)."""
     return "store_all" if budget >= store_all_graph_peak(graph) else "checkmate"
 
 
-def _infeasible(graph: Graph, budget: int, what: str, minimum_time_limit: float, deadline=None) -> MemschedError:
-    """The error of a budget proven infeasible, with the least memory searched for within ``minimum_time_limit``
-    seconds and what is left of the solve's ``deadline`` (:class:`solvers.limits.Deadline`)."""
+FRONTIER = "frontier-advancing schedule (first computations in index order)"
+
+
+def schedule_class(name: str, given: dict) -> str:
+    """The schedules among which solver ``name`` (checkmate or moccasin), given the parameters ``given``, proves
+    that none fits: what its error names, since a schedule of another class may still fit."""
+    if name != "moccasin":
+        return FRONTIER
+    order = "first computations in index order" if given.get("first_order") == "index" else "any order"
+    return f"schedule with at most {given.get('max_computations', 2)} computations per node ({order})"
+
+
+def _least_frontier(graph: Graph, minimum_time_limit: float, deadline) -> tuple:
+    """``(bytes or None, phrase)``: the least memory of any frontier-advancing schedule when proven within
+    ``minimum_time_limit`` seconds and what is left of ``deadline``, and a phrase stating it (or, unproven,
+    :func:`graph_lower_bound`)."""
     left = None if deadline is None else deadline.left()
     if left is not None:
         left -= 0.1  # for the message
         minimum_time_limit = left if minimum_time_limit is None else min(minimum_time_limit, left)
     minimum, exact = graph_minimum(graph, minimum_time_limit)
     if exact:
-        least = (f"the least memory of any frontier-advancing schedule is {format_bytes(minimum)} ({minimum} bytes)")
-    else:
-        least = f"no schedule needs less than {format_bytes(minimum)} ({minimum} bytes) (a lower bound)"
-    return MemschedError(f"budget {format_bytes(budget)} ({budget} bytes) is infeasible for graph '{graph.name}' "
-                         f"({what}); {least}; raise the budget")
+        return minimum, (f"the least memory of any frontier-advancing schedule is {format_bytes(minimum)} "
+                         f"({minimum} bytes)")
+    return None, f"no schedule needs less than {format_bytes(minimum)} ({minimum} bytes) (a lower bound)"
+
+
+def _none_fits(graph: Graph, budget: int, name: str, given: dict, minimum_time_limit: float,
+               deadline=None) -> MemschedError:
+    """The error of solver ``name`` having proven that no schedule of its class fits ``budget``: it names the
+    class and the solver whose class may still hold one, never calling the budget infeasible (only
+    :func:`graph_lower_bound` proves that)."""
+    minimum, least = _least_frontier(graph, minimum_time_limit, deadline)
+    head = (f"{name}: no {schedule_class(name, given)} fits {format_bytes(budget)} ({budget} bytes) for graph "
+            f"'{graph.name}'")
+    if name != "moccasin":
+        return MemschedError(f"{head}; {least}; moccasin (any order) may: --solver moccasin, or raise the budget")
+    if minimum is not None and minimum <= budget:
+        return MemschedError(f"{head}; a frontier-advancing one fits ({least}): --solver checkmate")
+    more = f"--max-computations {given.get('max_computations', 2) + 1}"
+    if given.get("first_order") == "index":
+        more += " or --first-order free"
+    return MemschedError(f"{head}; {least}; more computations per node may fit: {more}, or raise the budget")
+
+
+def _moccasin_fallback(graph: Graph, budget: int, time_limit, minimum_time_limit: float, deadline):
+    """``auto``'s second try once Checkmate proved that no frontier-advancing schedule fits ``budget``: Moccasin
+    over any order (two computations per node), within what is left of ``deadline``. Its solution, with the
+    time limit given to the whole solve in its parameters; raises an error naming both classes when neither
+    fits, or saying what limit to give when the time ran out."""
+    from solvers.checkmate import NoSchedule
+    from solvers.moccasin import moccasin
+
+    left = deadline.left()
+    try:
+        solution = moccasin(graph, budget, time_limit=None if left is None else max(0.001, left))
+    except NoSchedule as exc:
+        _, least = _least_frontier(graph, minimum_time_limit, deadline)
+        head = (f"no {FRONTIER} fits {format_bytes(budget)} ({budget} bytes) for graph '{graph.name}' (checkmate; "
+                f"{least})")
+        if exc.proven:
+            raise MemschedError(f"{head}, nor one with at most 2 computations per node in any order (moccasin); "
+                                "more computations may fit: --solver moccasin --max-computations 3, or raise the "
+                                "budget") from None
+        raise MemschedError(f"{head}; moccasin (any order) found none before the time limit: give --time-limit "
+                            f"{enough_time(4 * time_limit)} or more, or a larger budget") from None
+    params = {key: value for key, value in solution.params.items() if key != "time_limit"}
+    if time_limit is not None:
+        params["time_limit"] = time_limit
+    return dataclasses.replace(solution, params=params)
 
 
 def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: float = None,
@@ -110,10 +168,16 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
     ``time_limit`` (seconds) is a deadline for the whole solve of the solvers
     that take one (building their model, their warm start and the search all
     within it, give or take :data:`TIME_LIMIT_TOLERANCE`); the plan then says
-    whether the schedule is proven optimal. Raises :class:`MemschedError` for
-    an unknown solver or parameter, a budget no schedule fits (the message
-    states the least memory found, searched for at most ``minimum_time_limit``
-    seconds and no longer than the time limit leaves), a time limit reached
+    whether the schedule is proven optimal. ``auto`` stores everything when
+    that fits, else runs Checkmate, and when Checkmate proves that no
+    frontier-advancing schedule fits, Moccasin over any order (with what is
+    left of the time limit): a schedule that reorders the first computations
+    may need less memory. Raises :class:`MemschedError` for an unknown solver
+    or parameter, a budget below :func:`graph_lower_bound`, a budget no
+    schedule of the solver's class fits (the message names the class, states
+    the least memory of a frontier-advancing schedule, searched for at most
+    ``minimum_time_limit`` seconds and no longer than the time limit leaves,
+    and names the solver whose class may still fit), a time limit reached
     before any schedule was found (the message says what limit to give), or a
     schedule that does not fit.
     """
@@ -138,11 +202,15 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
     try:
         solution = function(graph, budget, **given)
     except NoSchedule as exc:
-        if exc.proven:
-            raise _infeasible(graph, budget, f"{name}: {exc}", minimum_time_limit, deadline) from None
-        more = "give it more time (--time-limit)" if exc.enough is None else f"give --time-limit {exc.enough} or more"
-        raise MemschedError(f"{name}: {exc}, for graph '{graph.name}' at {format_bytes(budget)}; {more}, "
-                            "or a larger budget") from None
+        if not exc.proven:
+            more = (f"give --time-limit {exc.enough} or more" if exc.enough is not None
+                    else "give it more time (--time-limit)")
+            raise MemschedError(f"{name}: {exc}, for graph '{graph.name}' at {format_bytes(budget)}; {more}, "
+                                "or a larger budget") from None
+        if solver != "auto":
+            raise _none_fits(graph, budget, name, given, minimum_time_limit, deadline) from None
+        name = "moccasin"
+        solution = _moccasin_fallback(graph, budget, time_limit, minimum_time_limit, deadline)
     elapsed = time.perf_counter() - started
     result = GraphSimulator(graph).run(solution.schedule)
     if result.peak_bytes > budget:

@@ -119,7 +119,7 @@ def test_infeasible_budget_states_the_minimum(files, capsys):
     one_line_error(capsys, "below", "least memory any schedule", "raise the budget")
     minimum = files["minimum"]
     assert cli.main(["solve", files["graph"], "--budget", str(minimum - 1), "--solver", "checkmate"]) == 2
-    one_line_error(capsys, "infeasible", f"({minimum} bytes)")
+    one_line_error(capsys, "checkmate: no frontier-advancing schedule", f"({minimum} bytes)", "--solver moccasin")
 
 
 def test_timeout_without_a_schedule(files, capsys, tmp_path):

@@ -272,8 +272,8 @@ def test_solve_graph_errors():
     assert exact and low <= minimum < peak
     assert solve_graph(graph, minimum, "checkmate").predicted.peak_bytes <= minimum
     if minimum > low:
-        with pytest.raises(MemschedError, match=f"infeasible.*least memory of any frontier-advancing schedule is .*"
-                                                f"{minimum} bytes"):
+        with pytest.raises(MemschedError, match=f"no frontier-advancing schedule .*least memory of any "
+                                                f"frontier-advancing schedule is .*{minimum} bytes.*--solver moccasin"):
             solve_graph(graph, minimum - 1, "checkmate")
 
 
