@@ -13,6 +13,7 @@ import sys
 
 import solvers
 from planner import check_plan_matches, load_chain, load_plan, render, save_chain, save_plan, simulate
+from planner import validate
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, Graph, save_graph
 from planner.graph_simulator import simulate_graph
@@ -24,6 +25,10 @@ from planner.units import format_bytes, parse_budget
 from solvers.minimum import minimum_budget
 
 PARETO_SOLVERS = ("rotor", "sqrt", "store_all")
+MAX_POINTS = 1000  # pareto budgets: each is three solves
+MAX_RUNS = 100_000  # profiling runs per stage, training steps
+MAX_COMPUTATIONS = 100  # moccasin's model grows with it; 2 or 3 is the usual
+MIN_THROUGHPUT, MAX_THROUGHPUT = 1e3, 1e21  # FLOP/s that --estimate may assume (a zettaflop is beyond any device)
 OFFLOAD_CURVES = ("pofo", "offload_greedy")  # pofo's table alone (not re-timed) and the greedy on store-all: fast
 
 
@@ -35,7 +40,8 @@ def main(argv=None) -> int:
         except SystemExit as exc:  # argparse has printed the usage error (status 2) or the help (status 0)
             return exc.code
         try:
-            for given in (getattr(args, name, None) for name in ("output", "plot")):  # refused before any work
+            _check_numbers(args)  # refused before any work, as are the outputs
+            for given in (getattr(args, name, None) for name in ("output", "plot")):
                 if given:
                     output_path(given)
             args.command(args)
@@ -56,17 +62,50 @@ def main(argv=None) -> int:
     return 0
 
 
-def _at_least(minimum: int):
+class _Parser(argparse.ArgumentParser):
+    """argparse, printing a usage error as one line (``memsched: error: ...``, status 2) like every other error."""
+
+    def error(self, message):
+        print(f"memsched: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _at_least(minimum: int, maximum: int = None):
+    """A whole-number argument from ``minimum`` (to ``maximum``: beyond it the command would not finish)."""
     def count(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return count
+
+
+def _check_numbers(args) -> None:
+    """Refuse, in one line, a number option that no run can honour: NaN, infinite, negative, or beyond what a
+    device means (a time limit past a year never runs out; see planner.validate)."""
+    for flag, field in (("--time-limit", "time_limit"), ("--progress-timeout", "progress_timeout")):
+        value = getattr(args, field, None)
+        if value is not None:
+            if field == "progress_timeout":
+                from planner.pipeline import check_progress_timeout
+
+                check_progress_timeout(value)
+            validate.positive_seconds(value, flag)
+    if getattr(args, "latency", None) is not None:
+        validate.non_negative_seconds(args.latency, "--latency")
+    throughput = getattr(args, "throughput", None)
+    if throughput is not None and not MIN_THROUGHPUT <= throughput <= MAX_THROUGHPUT:
+        raise MemschedError(f"--throughput must be a positive number of FLOP/s from {MIN_THROUGHPUT:g} to "
+                            f"{MAX_THROUGHPUT:g}, got {throughput}")
+    lr = getattr(args, "lr", None)
+    if lr is not None and not 0 < lr < float("inf"):
+        raise MemschedError(f"--lr must be a positive, finite learning rate, got {lr}")
 
 
 def _add_channel_arguments(parser, purpose: str) -> None:
@@ -153,14 +192,12 @@ def _channel(args, chain=None):
 
 
 def _latency(args) -> float:
-    """``--latency`` in seconds (0 when not given), refused in one line when negative or not finite."""
-    if args.latency is not None and not 0 <= args.latency < float("inf"):
-        raise MemschedError(f"--latency must be a number of seconds >= 0, got {args.latency}")
+    """``--latency`` in seconds (0 when not given; checked by :func:`_check_numbers`)."""
     return args.latency or 0.0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
+    parser = _Parser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
 
     profile = commands.add_parser("profile", help="measure a model into a chain problem",
@@ -177,11 +214,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="device throughput assumed by --estimate (default: 1e12)")
     profile.add_argument("--graph", action="store_true",
                          help="profile the whole training step as a graph (memsched.graph/1) instead of a chain")
-    profile.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
+    profile.add_argument("--nodes", type=_at_least(2, validate.MAX_INDEX), default=200, metavar="N",
                          help="--graph: coarsen the captured step to at most N nodes (default: 200)")
     _add_channel_arguments(profile, "record this copy channel in the chain (on CUDA it is measured unless given)")
-    profile.add_argument("--warmup", type=_at_least(0), default=2, metavar="N", help="untimed runs per stage (default: 2)")
-    profile.add_argument("--repeats", type=_at_least(1), default=5, metavar="N",
+    profile.add_argument("--warmup", type=_at_least(0, MAX_RUNS), default=2, metavar="N", help="untimed runs per stage (default: 2)")
+    profile.add_argument("--repeats", type=_at_least(1, MAX_RUNS), default=5, metavar="N",
                          help="timed runs per stage, median kept (default: 5)")
     profile.set_defaults(command=_profile)
 
@@ -199,14 +236,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--graph", nargs="?", const=True, metavar="GRAPH.json",
                        help="train by a graph plan (checkmate, moccasin, checkmate-lp) with the graph executor: "
                             "profile the step as a graph, or use this graph profile")
-    train.add_argument("--nodes", type=_at_least(2), default=200, metavar="N",
+    train.add_argument("--nodes", type=_at_least(2, validate.MAX_INDEX), default=200, metavar="N",
                        help="--graph: coarsen the captured step to at most N nodes (default: 200)")
     train.add_argument("--time-limit", type=float, metavar="SECONDS", help="--graph: solver time limit")
     _add_channel_arguments(train, "offload solvers (pofo, offload...) and --offload-weights: the copy channel "
                                   "(default: the chain's)")
     train.add_argument("--offload-weights", metavar="all|I,J,...",
                        help="keep these stages' parameters on the host (as for solve)")
-    train.add_argument("--steps", type=_at_least(1), default=5, metavar="N", help="training steps (default: 5)")
+    train.add_argument("--steps", type=_at_least(1, MAX_RUNS), default=5, metavar="N", help="training steps (default: 5)")
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
@@ -220,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "with rotor, show the schedule and memory timeline, train a few steps and "
                                            "compare predicted with measured.")
     demo.add_argument("--plot", metavar="timeline.png", help="also save the memory timeline as a PNG")
-    demo.add_argument("--steps", type=_at_least(1), default=3, metavar="N", help="training steps (default: 3)")
+    demo.add_argument("--steps", type=_at_least(1, MAX_RUNS), default=3, metavar="N", help="training steps (default: 3)")
     demo.set_defaults(command=_demo)
 
     solve = commands.add_parser("solve", help="find a schedule that fits a memory budget",
@@ -237,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("--time-limit", type=float, metavar="SECONDS",
                        help="graph solvers and offload: stop the search after this long and keep the best schedule "
                             "found")
-    solve.add_argument("--max-computations", type=_at_least(1), metavar="N",
+    solve.add_argument("--max-computations", type=_at_least(1, MAX_COMPUTATIONS), metavar="N",
                        help="moccasin: computations allowed per node (default: 2)")
     solve.add_argument("--first-order", metavar="free|index",
                        help="moccasin: first computations in any order (free, default) or in index order "
@@ -257,8 +294,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="offload, offload_greedy, offload_all: the compute schedule whose activations are "
                             "offloaded (default: store_all)")
     solve.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor, pofo: memory discretisation slots")
-    solve.add_argument("--segments", type=_at_least(1), metavar="N", help="sqrt: number of segments")
-    solve.add_argument("--snapshots", type=_at_least(1), metavar="N", help="revolve: snapshot slots")
+    solve.add_argument("--segments", type=_at_least(1, validate.MAX_INDEX), metavar="N", help="sqrt: number of segments")
+    solve.add_argument("--snapshots", type=_at_least(1, validate.MAX_INDEX), metavar="N", help="revolve: snapshot slots")
     solve.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (memsched.plan/1)")
     solve.set_defaults(command=_solve)
 
@@ -275,7 +312,7 @@ def _parser() -> argparse.ArgumentParser:
                                  description="Step-time overhead against memory budget, from the minimum feasible "
                                              "budget to the store-all peak, for rotor, sqrt and store_all.")
     pareto.add_argument("chain", metavar="CHAIN.json", help="chain problem (memsched.chain/1)")
-    pareto.add_argument("--points", type=_at_least(2), default=12, metavar="N",
+    pareto.add_argument("--points", type=_at_least(2, MAX_POINTS), default=12, metavar="N",
                         help="number of evenly spaced budgets (default: 12)")
     pareto.add_argument("--slots", type=_at_least(1), metavar="N", help="rotor: memory discretisation slots")
     _add_channel_arguments(pareto, "add pofo's and offload_greedy's curves over this copy channel (default: the "
@@ -319,8 +356,8 @@ def _profile(args) -> None:
     from profiles.chain_profiler import profile_chain  # torch loads only for the commands that need it
     from profiles.spec import load_model
 
-    if args.throughput is not None and (not args.estimate or args.throughput <= 0):
-        raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate, as a positive number")
+    if args.throughput is not None and not args.estimate:
+        raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate")
     # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
     # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
     channel = _channel(args)
@@ -331,15 +368,22 @@ def _profile(args) -> None:
         _profile_graph(args, model)
         return
     total = len(model.stages) + 1
+    bar = []  # the stage whose bar is on stderr, its line not ended
 
     def progress(done, label):
         if sys.stderr.isatty() or total > 20:
             end = "\n" if done + 1 == total else ""
             print("\r" + render.progress_bar(done + 1, total, label), end=end, file=sys.stderr, flush=True)
+            bar[:] = [] if end else [done]
 
-    chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
-                          warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
-                          throughput=args.throughput, progress=progress, transfer=channel)
+    try:
+        chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
+                              warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
+                              throughput=args.throughput, progress=progress, transfer=channel)
+    except BaseException:  # an error or Ctrl-C mid-bar: the bar's line ended, so that the message has its own
+        if bar:
+            print(file=sys.stderr, flush=True)
+        raise
     save_chain(chain, args.output)
     print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
 
@@ -380,12 +424,17 @@ def _train(args) -> None:
         if args.progress_timeout is not None:
             raise MemschedError(f"--progress-timeout bounds a pipeline run; {args.plan} is a plan of kind {plan.kind}: "
                                 "drop --progress-timeout")
+        if plan.kind == "graph":
+            raise MemschedError(f"{args.plan} is a graph plan: train by it with --graph GRAPH.json (its graph profile)")
         if chain is not None:
             check_plan_matches(plan, chain, plan_where=args.plan)
+        _check_measured_on(args, model, chain if chain is not None else plan)
     else:
         if not args.budget:
             raise MemschedError("train needs --budget (or a ready --plan)")
         chain = load_chain(args.chain) if args.chain else _profile_quietly(model, args.device)
+        if args.chain:
+            _check_measured_on(args, model, chain)
         budget, how = _auto_budget(args, chain)
         if budget is None:
             budget = parse_budget(args.budget, solvers.store_all_peak(chain))
@@ -393,6 +442,20 @@ def _train(args) -> None:
         print("\n".join(([f"budget auto: {how}"] if how else []) +
                         render.solve_summary(plan, args.solver, simulate(chain, plan) if plan.moves_data else None)))
     _train_chain(model, plan, chain, args.steps, args.device, args.lr)
+
+
+def _check_measured_on(args, model, problem) -> None:
+    """Refuse a --chain (or, without it, --plan) measured on other parameters or inputs than ``model``'s, before
+    any work; a note when it records none (a file from an older memsched)."""
+    source = f"chain {args.chain}" if args.chain else f"plan {args.plan}"
+    if problem.measured_on is None:
+        print(f"note: the {source} records no input or parameter shapes (an older file): not checked against "
+              f"{model.name}")
+        return
+    problem.measured_on.check_stages(_named(model.stages), source)
+    batch = problem.measured_on.recorded_batch(model.example_inputs)
+    problem.measured_on.check_inputs(model.example_inputs, source,
+                                     None if batch is None else f"profile again at this batch or pass --batch {batch}")
 
 
 def _train_pipeline(args, plan, chain) -> None:
@@ -463,8 +526,6 @@ def _train_graph(args, model) -> None:
     else:
         if not args.budget:
             raise MemschedError("train needs --budget (or a ready --plan)")
-        if args.time_limit is not None and not args.time_limit > 0:
-            raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
         plan = solve_graph(graph, parse_budget(args.budget, store_all_graph_peak(graph)), args.solver,
                            time_limit=args.time_limit)
         print("\n".join(_graph_summary(plan, args.solver)))
@@ -499,15 +560,15 @@ def _train_chain(model, plan, chain, steps, device, lr) -> None:
 
 
 def _train_and_report(model, plan, planned_step, stages, inputs, resident_bytes, steps, device, lr) -> None:
-    """Train by ``planned_step`` and, for reference, the unmodified model on ``inputs``; print measured against
-    predicted.
+    """Train by ``planned_step`` and, for reference, the unmodified model on ``inputs``, their steps alternating;
+    print measured against predicted.
 
     ``resident_bytes`` is what the plan's prediction counts as already allocated (the inputs for a chain,
     ``fixed_bytes`` for a graph): both runs' peaks are counted on that basis.
     """
     import torch
 
-    from profiles.training import autograd_step, measure_steps, plain_forward
+    from profiles.training import autograd_step, measure_alternately, plain_forward
     from profiles.chain_profiler import default_loss
 
     loss_fn = model.loss_fn or default_loss
@@ -517,9 +578,9 @@ def _train_and_report(model, plan, planned_step, stages, inputs, resident_bytes,
     for parameter in parameters:  # optimizer state exists before the first measured window, as in steady state
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
-    measured = measure_steps(planned_step, parameters, optimizer, steps, device, resident_bytes)
-    plain = measure_steps(autograd_step(lambda *xs: plain_forward(stages, xs), loss_fn, inputs), parameters, optimizer,
-                          steps, device, resident_bytes)
+    plain_step = autograd_step(lambda *xs: plain_forward(stages, xs), loss_fn, inputs)
+    measured, plain = measure_alternately(planned_step, plain_step, parameters, optimizer, steps, device,
+                                          resident_bytes)
     print("\n".join(render.training_table(plan, measured, plain)))
 
 
@@ -543,7 +604,7 @@ def _solve(args) -> None:
     try:
         plan = solvers.solve(chain, budget, args.solver, slots=args.slots, segments=args.segments,
                              snapshots=args.snapshots, **_offload_params(args, chain, args.solver))
-    except MemschedError as exc:
+    except MemschedError:
         if how and budget < minimum_budget(chain):
             raise MemschedError(f"--budget auto leaves {render.describe_bytes(budget)}, below the minimum feasible "
                                 f"{render.describe_bytes(minimum_budget(chain))} for chain {chain.name!r} ({how}): "
@@ -574,8 +635,6 @@ def _offload_params(args, chain, solver: str) -> dict:
                                 f"not for {solver}")
         return {}
     channel = _required_channel(args, chain, solver)
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     return {"transfer": channel, "schedule": getattr(args, "schedule", None), "time_limit": args.time_limit,
             "weights": weights}
 
@@ -604,8 +663,6 @@ def _solve_graph(args) -> None:
                             "(checkmate)")
     if args.gap is not None and not 0 <= args.gap < 1:
         raise MemschedError(f"--gap must be a fraction between 0 and 1 (0.01 = 1%), got {args.gap}")
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise MemschedError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     graph = Graph.from_dict(read_json(args.chain), where=args.chain)
     budget = parse_budget(args.budget, store_all_graph_peak(graph))
     plan = solve_graph(graph, budget, args.solver, time_limit=args.time_limit,
@@ -720,6 +777,9 @@ def _pareto(args) -> None:
     channel = _channel(args, chain)
     names = PARETO_SOLVERS + (OFFLOAD_CURVES if channel is not None and channel.usable else ())
     low, high = minimum_budget(chain), solvers.store_all_peak(chain)
+    if high == 0:
+        raise MemschedError(f"{args.chain}: chain '{chain.name}' allocates nothing (every size is 0, so is its "
+                            "store-all peak): there is no memory to trade for time; profile the model again")
     rows = []
     for k in range(args.points):
         budget = low + (high - low) * k // (args.points - 1)

@@ -31,7 +31,12 @@ pipeline's last device).
 
 An optional ``transfer`` gives the device-host copy channel
 (:class:`planner.transfer.Transfer`) that offload plans use. It describes the
-machine, not the model, so it is left out of the fingerprint.
+machine, not the model, so it is left out of the fingerprint. The optional
+``shared`` lists parameters several stages read (planner/shared.py: tied
+weights, counted in the last reader's ``param_bytes``). An optional
+``measured_on`` (:class:`planner.measured_on.MeasuredOn`) records the shapes
+and dtypes of the inputs and of each stage's parameters the chain was measured
+on; running it on other tensors is refused (absent in older files: no check).
 
 The file format is ``memsched.chain/1`` (docs/formats.md).
 """
@@ -45,12 +50,14 @@ from pathlib import Path
 from planner import validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
+from planner.measured_on import MeasuredOn
+from planner.shared import shared_from_list
 from planner.transfer import Transfer
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
                  "bwd_tmp_bytes", "param_bytes", "own_saved_bytes")
-_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer")
+_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes", "saved_bytes")
 
 
@@ -107,6 +114,8 @@ class Chain:
     stages: tuple
     loss: Loss
     transfer: Transfer = None  # the copy channel, when measured or given
+    measured_on: MeasuredOn = None  # the input and parameter tensors it was measured on, when recorded
+    shared: tuple = ()  # planner.shared.SharedParameter: parameters several stages read (tied weights)
 
     @property
     def length(self) -> int:
@@ -147,6 +156,8 @@ class Chain:
             "stages": [s.to_dict() for s in self.stages],
             "loss": self.loss.to_dict(),
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
+            **({} if self.measured_on is None else {"measured_on": self.measured_on.to_dict()}),
+            **({"shared": [entry.to_dict() for entry in self.shared]} if self.shared else {}),
         }
 
     def fingerprint(self) -> str:
@@ -166,10 +177,18 @@ class Chain:
         raw_stages = validate.require(data, "stages", where)
         if not isinstance(raw_stages, list) or not raw_stages:
             raise MemschedError(f"{where}: stages must be a non-empty list of stage objects")
+        validate.count(len(raw_stages), f"{where}: the number of stages", 1)
         stages = tuple(_stage_from_dict(raw, f"{where}: stages[{i}]", i) for i, raw in enumerate(raw_stages))
         loss = _loss_from_dict(data.get("loss", {}), f"{where}: loss")
+        validate.total_bytes([input_bytes, loss.tmp_bytes, loss.saved_bytes] + [  # own_saved_bytes: inside saved_bytes
+            getattr(s, f) for s in stages for f in _STAGE_FIELDS if f.endswith("_bytes") and f != "own_saved_bytes"],
+                             where)
         transfer = None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer")
-        return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss, transfer=transfer)
+        measured = None if data.get("measured_on") is None else MeasuredOn.from_dict(
+            data["measured_on"], f"{where}: measured_on", len(stages))
+        return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss, transfer=transfer,
+                   measured_on=measured, shared=shared_from_list(data.get("shared"), f"{where}: shared", len(stages),
+                                                            stages))
 
 
 def _stage_from_dict(raw, where: str, index: int) -> Stage:

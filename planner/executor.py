@@ -70,12 +70,18 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import MemschedError
+from planner.measured_on import record_of
 from planner.stages import named_stages
-from planner.plan import FORWARD_OPS, TRANSFER_OPS, Op, Plan, check_plan_matches
+from planner.plan import FORWARD_OPS, Op, Plan, check_plan_matches
+from planner.simulator import check_schedule, planned_stages
 
 
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedChain":
     """A module running ``stages`` by ``plan``; with ``chain`` the plan's fingerprint and stage names are checked.
+
+    What the chain was measured on (``chain.measured_on``, else the plan's copy of it) is checked too, when
+    recorded: each stage's parameters here, the inputs at the module's first call with gradients; a
+    difference is a one-line :class:`MemschedError` naming it (planner/measured_on.py).
 
     ``fuse=False`` runs every stage's backward as its own autograd call, never one for several stages: each
     stage's parameter gradients are then added into ``.grad`` before the next stage's are made, as the chain
@@ -84,12 +90,16 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedCha
     several backwards (a pipeline's micro-batches). Plans with transfers always fuse as their executor decides.
     """
     pairs = named_stages(stages)
+    if plan.kind != "chain":
+        raise MemschedError(f"apply_plan runs plans of kind 'chain', not of kind '{plan.kind}' (a graph plan runs "
+                            "with planner.graph_executor.GraphExecutor, a pipeline plan with planner.pipeline.run_pipeline)")
     if plan.moves_data and plan.transfer is None:
         raise MemschedError("the plan moves data between device and host but records no copy channel "
                             "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
-    planned = 1 + max(op.stage for op in plan.schedule if op.stage is not None and op.kind not in TRANSFER_OPS)
+    planned = planned_stages(plan.schedule)
     if planned != len(pairs):
         raise MemschedError(f"the plan schedules {planned} stages but {len(pairs)} were given; solve again for this model")
+    check_schedule(plan.schedule, planned)  # the simulator's rules, before anything runs
     if chain is not None:
         check_plan_matches(plan, chain)
         names, expected = [name for name, _ in pairs], [stage.name for stage in chain.stages]
@@ -97,14 +107,23 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedCha
             mismatch = next(k for k, (a, b) in enumerate(zip(names, expected)) if a != b)
             raise MemschedError(f"stage {mismatch} is named {names[mismatch]!r} but the plan's chain calls it "
                                 f"{expected[mismatch]!r}; apply the plan to the model it was solved for")
-    return PlannedChain(pairs, plan, fuse)
+    measured, source = record_of(chain, plan)
+    if measured is not None:
+        measured.check_stages(pairs, source)
+    return PlannedChain(pairs, plan, fuse, measured, source)
 
 
 class PlannedChain(torch.nn.Module):
-    """The stages, run by a plan. ``forward(a_0, *extra)`` returns the last stage's output."""
+    """The stages, run by a plan. ``forward(a_0, *extra)`` returns the last stage's output.
 
-    def __init__(self, pairs, plan: Plan, fuse: bool = True):
+    ``measured_on`` (a :class:`planner.measured_on.MeasuredOn` from the ``source``, ``chain`` or ``plan``): the
+    inputs of the first call with gradients must be its inputs (later calls are not checked: a last, smaller
+    batch runs).
+    """
+
+    def __init__(self, pairs, plan: Plan, fuse: bool = True, measured_on=None, source: str = "plan"):
         super().__init__()
+        self.unchecked_inputs = None if measured_on is None else (measured_on, source)
         self.stage_names = [name for name, _ in pairs]
         self.stages = torch.nn.ModuleList([module for _, module in pairs])
         self.plan = plan
@@ -158,6 +177,10 @@ class PlannedChain(torch.nn.Module):
                 else:
                     activation = module(activation, *extra)
             return activation
+        if self.unchecked_inputs is not None:
+            measured, source = self.unchecked_inputs
+            measured.check_inputs((first, *extra), source)
+            self.unchecked_inputs = None
         run = self.run_type(self, first, extra)
         anchor = torch.empty(0, requires_grad=True)  # makes the output differentiable even when the input is data
         flat_inputs = [t for t in tree_flatten((first, extra))[0] if isinstance(t, torch.Tensor)]
@@ -314,7 +337,8 @@ class _Run:
         del incoming, graph
         results = _differentiate(pairs, inputs) if pairs and inputs else [None] * len(inputs)
         del inputs
-        _accumulate(parameters, results[len(targets):])
+        parameter_grads, results[len(targets):] = results[len(targets):], []  # _accumulate's alone (it frees them)
+        _accumulate(parameters, parameter_grads)
         by_target = iter(results[:len(targets)])
         self.grads[first] = [next(by_target) if t.requires_grad else None for t in leaves]
         for k, tensor in enumerate(extras):  # extra inputs (an encoder's output) gather gradients from every stage
@@ -364,23 +388,69 @@ def _passed_on_as_views(output, args):
     return tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in given else t, output)
 
 
-def _accumulate(parameters, grads) -> None:
-    """Add gradients into ``.grad`` as autograd's AccumulateGrad does.
+def _accumulate(parameters, grads: list) -> None:
+    """Add gradients into ``.grad`` as autograd's AccumulateGrad does; ``grads`` is emptied as it goes.
 
-    The first gradient is taken as it is when it is a dense tensor of the parameter's layout used for no
-    other parameter; otherwise (an expanded or shared result) it is copied. Later ones are added in place.
+    Into an existing ``.grad`` a gradient is added in place. Into an empty one it is taken as it is when it
+    obeys the parameter's layout (:func:`_obeys_layout`) and no other parameter took the same gradient, else
+    copied to that layout (:func:`_copy_to_layout`). Each entry of ``grads`` is set to None once used, so that
+    (the caller holding no other reference) a copied gradient is freed before the next is copied, as
+    AccumulateGrad frees its input when it returns.
     """
     taken = set()
-    for parameter, grad in zip(parameters, grads):
+    for k, parameter in enumerate(parameters):
+        grad, grads[k] = grads[k], None
         if grad is None:
             continue
         if parameter.grad is not None:
             parameter.grad.add_(grad)
-        elif grad.stride() == parameter.stride() and grad.is_contiguous() and grad.data_ptr() not in taken:
-            taken.add(grad.data_ptr())
+        elif _obeys_layout(grad, parameter) and (where := _address(grad)) not in taken:
+            taken.add(where)
             parameter.grad = grad.detach()
         else:
-            parameter.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+            parameter.grad = _copy_to_layout(grad.detach(), parameter)
+        del grad
+
+
+def _address(tensor) -> tuple:
+    """Where ``tensor``'s data starts: its storage and offset (as ``data_ptr``, which a fake tensor in estimate
+    mode must not be asked for)."""
+    return tensor.untyped_storage()._cdata, tensor.storage_offset()
+
+
+def _obeys_layout(grad, parameter) -> bool:
+    """Whether ``grad`` may become ``parameter.grad`` as it is: autograd's gradient layout contract.
+
+    For a non-overlapping and dense parameter, the strides must be the parameter's on every dimension of size
+    other than 1 (so a 1x1 convolution's weight gradient in channels-last order, as convolution backward
+    returns it with several threads, is taken), and no size-1 dimension may have stride 0 (a broadcast view);
+    any other parameter needs a contiguous gradient (torch/csrc/autograd/utils/grad_layout_contract.h).
+    """
+    if grad.stride() == parameter.stride() and parameter.is_contiguous() and 0 not in parameter.stride():
+        return True  # the common case, decided without the loops below
+    if not _non_overlapping_and_dense(parameter):
+        return grad.is_contiguous()
+    return all(stride != 0 if size == 1 else stride == wanted
+               for size, stride, wanted in zip(grad.shape, grad.stride(), parameter.stride()))
+
+
+def _copy_to_layout(grad, parameter) -> torch.Tensor:
+    """``grad`` copied in ``parameter``'s strides when the parameter is non-overlapping and dense, else
+    contiguously (autograd's ``clone_obey_contract``)."""
+    if _non_overlapping_and_dense(parameter):
+        return grad.new_empty_strided(parameter.size(), parameter.stride()).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _non_overlapping_and_dense(tensor) -> bool:
+    """Whether some order of ``tensor``'s dimensions is contiguous, dimensions of size below 2 ignored (c10's
+    ``compute_non_overlapping_and_dense``)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size >= 2):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _differentiate(pairs, inputs) -> list:

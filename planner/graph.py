@@ -112,6 +112,7 @@ class Graph:
         raw_nodes = validate.require(data, "nodes", where)
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise MemschedError(f"{where}: nodes must be a non-empty list of node objects")
+        validate.count(len(raw_nodes), f"{where}: the number of nodes", 1)
         nodes, names = [], {}
         for index, raw in enumerate(raw_nodes):
             node = _node_from_dict(raw, f"{where}: nodes[{index}]", index)
@@ -120,6 +121,7 @@ class Graph:
                                     "names must be unique")
             names[node.name] = index
             nodes.append(node)
+        validate.total_bytes([fixed] + [n.out_bytes + n.tmp_bytes for n in nodes], where)
         return cls(name=name, nodes=tuple(nodes), fixed_bytes=fixed, device=device, source=source)
 
 

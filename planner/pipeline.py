@@ -14,18 +14,29 @@ gradients of the whole batch.
 
 Measured per rank and step: the activation peak, the live-memory tracker
 (:class:`profiles.memory.LiveMemoryTracker`) on CPU or ``max_memory_allocated`` minus the level at entry on
-CUDA, around ``schedule.step`` with the parameter gradients ``None`` and the stage's runtime state cleared
-before (what it kept of the previous step, which ``step`` itself frees first), so the gradients are allocated
-inside it and nothing is freed below the starting level. It is compared with the plan's device peak less what existed before the window: the
-resident parameters and optimizer state, and the step's buffers (planner/pipeline_simulator.py): the batch
-(rank 0) or ``PipelineStage``'s receive buffers (``m`` activations on every rank but the first, ``m``
-gradients on every rank but the last), allocated at the first step and kept. The measurement is of the last
-step (the first also allocates the receive buffers). :class:`RankResult` reports these byte counts beside
-the measured peak.
+CUDA, around ``schedule.step`` (and the sums of shared parameters' gradients) with the parameter gradients
+``None`` and the stage's runtime state cleared before (what it kept of the previous step, which ``step``
+itself frees first), so the gradients are allocated inside it and nothing is freed below the starting level.
+It is compared with the plan's device peak less what existed before the window: the resident parameters and
+optimizer state, and the step's buffers (planner/pipeline_simulator.py): the batch (rank 0) or
+``PipelineStage``'s receive buffers (``m`` activations on every rank but the first, ``m`` gradients on every
+rank but the last), allocated at the first step and kept. The measurement is of the last step (the first also
+allocates the receive buffers). :class:`RankResult` reports these byte counts beside the measured peak.
+
+**Shared parameters** (tied weights, planner/shared.py). A parameter read by stages on several devices has a
+copy on each (every rank builds the whole model with the same seed, so the copies start equal); after
+``schedule.step``, inside the measured window, each copy's gradient is summed over the ranks holding one
+(``all_reduce`` on a group of those ranks), so every copy has the whole batch's gradient and takes the
+update of single-process training. The plan must count those copies (``pipeline.shared``, from the chain's
+``shared``; planner/pipeline_simulator.py): a parameter shared across devices that it does not count, or
+one it counts that the model does not share, is refused in one line naming the parameter, its stages and
+devices, and the fixes.
 
 Failures are one line (:class:`planner.errors.MemschedError`): a batch that does not split into the
-micro-batches, a plan that cannot run (1F1B with fewer micro-batches than devices), a rank that dies, and a
-run that makes no progress; the other ranks are then terminated, and every child is joined.
+micro-batches, a plan that cannot run (1F1B with fewer micro-batches than devices; on the CPU more devices
+than ``4 * cpu_count`` processes), a parameter shared across devices that the plan does not count, a rank
+that dies, and a run that makes no progress; the other ranks are then terminated, and every child is
+joined.
 
 The ranks' lifecycle:
 
@@ -66,11 +77,13 @@ import torch
 
 from planner.errors import MemschedError
 from planner.plan import FORWARD_OPS, Plan, Predicted
+from planner.shared import find_shared
 
 DEFAULT_PROGRESS_TIMEOUT = 300.0  # seconds without a finished step (or a rank's setup milestone)
 _STARTUP_TIMEOUT = 120.0  # seconds a rank may take to start (a fresh interpreter importing torch) if longer
 _EXIT_GRACE = 30.0  # seconds a rank that is done (results saved, process group left) gets to exit
 _FAILURE_GRACE = 2.0  # seconds the other ranks get to report their own errors once one has failed
+_RANKS_PER_CORE = 4  # a CPU run's processes (one per device) per core, at most
 # What a rank sees when a peer dies under it: a consequence, not the cause (lower case).
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crash",
               "nccl communicator was aborted")
@@ -179,6 +192,10 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     if device not in ("cpu", "cuda"):
         raise MemschedError(f"--device must be cpu or cuda, got {device!r}")
     world = len(plan.pipeline.devices)
+    if device == "cpu" and world > _cpu_ranks():
+        raise MemschedError(f"the plan has {world} devices: a CPU run starts one process per device (a Python "
+                            f"interpreter with torch), at most {_cpu_ranks()} here ({_RANKS_PER_CORE} per core); "
+                            "partition the chain for fewer devices")
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
         raise MemschedError(f"the plan needs {world} CUDA devices, "
                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are available")
@@ -186,9 +203,14 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
         raise MemschedError("torch.distributed is not available in this PyTorch build: a pipeline cannot run")
     # Refuse a bad batch here, before any process starts (the workers check again on the built model).
     built = model()
-    _check_model(built, plan)
+    _check_measured_on(built, plan, chain, _check_model(built, plan))
     del built
     return _launch(model, plan, steps, meter, device, lr, progress_timeout, return_grads, seed, world)
+
+
+def _cpu_ranks() -> int:
+    """The most ranks a CPU run starts on this machine."""
+    return _RANKS_PER_CORE * (os.cpu_count() or 1)
 
 
 def check_progress_timeout(seconds) -> float:
@@ -214,7 +236,86 @@ def _check_model(built, plan: Plan) -> int:
                             f"{len(built.stages)}; partition a chain of this model")
     micro = check_batch(_batch_of(built), pipe.micro_batches)
     _target_cell(built.loss_fn, _batch_of(built), pipe.micro_batches)
+    synced_parameters(built, plan)
     return micro
+
+
+def _devices_of(plan: Plan, stages) -> list:
+    """The devices (ranks) of ``plan`` holding any of ``stages``, ascending."""
+    return sorted({s for s, device in enumerate(plan.pipeline.devices) for stage in stages
+                   if device.first <= stage < device.last})
+
+
+def synced_parameters(built, plan: Plan) -> list:
+    """``[(SharedParameter, parameter, ranks), ...]``: the model's parameters read by stages on several devices
+    (planner/shared.py), whose copies' gradients the ranks sum after the backward. The plan must count exactly
+    these (``pipeline.shared``, from its chain), else one line naming the first difference."""
+    counted = {entry.stages for entry in plan.pipeline.shared if len(_devices_of(plan, entry.stages)) > 1}
+    found = []
+    for entry, parameter in find_shared(built.stages):
+        ranks = _devices_of(plan, entry.stages)
+        if len(ranks) > 1:
+            if entry.stages not in counted:
+                raise MemschedError(_uncounted(entry, plan, built.stages))
+            found.append((entry, parameter, ranks))
+    for stages in sorted(counted - {entry.stages for entry, _, _ in found}):
+        names = ", ".join(f"{k} ({built.stages[k][0]})" for k in stages)
+        raise MemschedError(f"pipeline: the plan counts a parameter shared by stages {names} on devices "
+                            f"{_devices_of(plan, stages)}, which this model's stages do not share; run the plan with "
+                            "the model it was solved for, or partition a chain of this model")
+    return found
+
+
+def _uncounted(entry, plan: Plan, pairs) -> str:
+    """The one line for a parameter shared across devices that the plan does not count."""
+    owner = entry.owner
+    owner_device = _devices_of(plan, (owner,))[0]
+    reader = next(k for k in entry.stages if _devices_of(plan, (k,))[0] != owner_device)
+    device = _devices_of(plan, (reader,))[0]
+    return (f"pipeline: parameter {entry.name} is read by stage {reader} ({pairs[reader][0]}) on device {device} "
+            f"and stage {owner} ({pairs[owner][0]}) on device {owner_device}, but the plan does not count a copy of "
+            f"it on device {device} (its chain lists no such shared parameter); partition a chain that records it "
+            f"(\"shared\", docs/formats.md), untie it, or keep stages {reader} to {owner} on one device")
+
+
+def _sync_groups(synced, rank: int) -> list:
+    """``[(parameter, process group), ...]`` of this rank's copies to sum; every rank creates every group, in the
+    same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    groups, mine = {}, []
+    for _, parameter, ranks in synced:
+        if tuple(ranks) not in groups:
+            groups[tuple(ranks)] = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append((parameter, groups[tuple(ranks)]))
+    return mine
+
+
+def _sum_gradients(synced) -> None:
+    """Sum each copy's gradient over the ranks holding one, in place: every copy then has the whole batch's
+    gradient, as in single-process training (the schedule scaled each by 1/m already)."""
+    for parameter, group in synced:
+        if parameter.grad is None:  # no reader on this rank used it
+            parameter.grad = torch.zeros_like(parameter)
+        torch.distributed.all_reduce(parameter.grad, group=group)
+
+
+def _check_measured_on(built, plan: Plan, chain, micro: int) -> None:
+    """What the chain (else the plan) records it was measured on must be the model's stages and one micro-batch
+    of its input (the chain is profiled at the micro-batch); not checked when neither records it."""
+    from planner.measured_on import record_of
+    from planner.stages import named_stages
+
+    measured, source = record_of(chain, plan)
+    if measured is None:
+        return
+    measured.check_stages(named_stages(built.stages), source)
+    inputs = (built.example_inputs[0][:micro],)
+    batch = measured.recorded_batch(inputs)
+    measured.check_inputs(inputs, source, None if batch is None else (
+        f"the batch splits into micro-batches of {micro}: pass --batch {batch * plan.pipeline.micro_batches}, or "
+        f"profile at a batch of {micro}"))
 
 
 def _target_cell(loss_fn, batch: int, micro_batches: int) -> int:
@@ -564,6 +665,7 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
     stage.backward_one_chunk = report.around(stage.backward_one_chunk, "its stage's backward")
     schedule_type = Schedule1F1B if pipe.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_type(stage, pipe.micro_batches, loss_fn=loss_fn)
+    synced = _sync_groups(synced_parameters(built, plan), rank)
 
     named = [(f"{pairs[first + k][0]}.{n}", p) for k, module in enumerate(modules)
              for n, p in module.named_parameters() if p.requires_grad]
@@ -588,6 +690,9 @@ def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, s
             started = time.perf_counter()
             schedule.step(*((x,) if rank == 0 else ()), return_outputs=False,
                           **({"target": target, "losses": step_losses} if rank == world - 1 else {}))
+            if synced:
+                report.doing(f"step {step}: summing the gradients of shared parameters with its peers", False)
+                _sum_gradients(synced)
             if where.type == "cuda":
                 torch.cuda.synchronize(where)
             seconds.append(time.perf_counter() - started)

@@ -32,23 +32,33 @@ to the end of the operation, while autograd frees it first thing).
 
 **What a device holds for the whole step** (:class:`DeviceState`). ``resident``: parameters, fp32 master copy
 and optimizer state (``setup.resident_bytes(n)``, ``n`` = parameters of its stages, ``sum(param_bytes) / 4``
-rounded up: planner.step_memory.parameters_of); ``buffers``: the ``m`` micro-batch inputs (device 0: the
-batch, split into views; the others: the engine's receive buffers, one per micro-batch) and, on devices
-before the last, the ``m`` receive buffers of ``δ_last``. So the sub-chain's input and received gradient are
+rounded up, as planner.step_memory.parameters_of counts a chain); ``buffers``: the ``m`` micro-batch inputs
+(device 0: the batch, split into views; the others: the engine's receive buffers, one per micro-batch) and,
+on devices before the last, the ``m`` receive buffers of ``δ_last``. So the sub-chain's input and received gradient are
 not counted again per micro-batch; a receive buffer is never freed early, so the first backward's peak keeps
 the received gradient.
+
+**Shared parameters** (the chain's ``shared``, planner/shared.py: tied weights). A chain counts a parameter
+that several stages read once, in its last reader's ``param_bytes``. A device holding a reader but not that
+last one holds a copy of its own (:func:`copies`): its parameters, master copy, optimizer state and gradient
+are counted there too, the gradient made at the device's last reader's first backward, as a stage's own
+(:func:`device_param_bytes`; that stage's profiled ``bwd_tmp_bytes`` already cover the gradient it makes).
+After the backward the copies' gradients are summed across the devices holding them (planner/pipeline.py),
+so every copy takes the update of single-process training. Within one device a shared parameter stays
+counted once.
 
 **The step.** Device ``s`` starts ``k_s`` forwards before its first backward, ``k_s = m`` for GPipe (all
 forwards, then all backwards) and ``k_s = min(m, P - s)`` for 1F1B (PipeDream-Flush, PyTorch's
 ``Schedule1F1B``: then one backward, one forward, and the remaining backwards). Walking that order
-(:func:`phase_order`), the device holds at each phase: its parameter gradients (``G`` once its first
+(:func:`phase_runs`), the device holds at each phase: its parameter gradients (``G`` once its first
 backward has run; forming inside it), ``held`` for each micro-batch between forward and backward, what the
 engine still references of finished micro-batches (:func:`retained`: tensors of pending sends and loop
 variables), and the running micro-batch at its phase's peak::
 
     peak_s = resident_s + buffers_s + max over the phases of (those terms)
 
-(:func:`step_peak`). Measured on 2 and 3 gloo processes (tests/test_pipeline.py): 0.98-1.002 of the
+(:func:`step_peak`, which evaluates only the phases where that maximum can be: a few per run of
+phases, whatever ``m``). Measured on 2 and 3 gloo processes (tests/test_pipeline.py): 0.98-1.002 of the
 prediction per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices), 0.84 on
 a device holding only an embedding. It is high where the profile counts more than the engine holds: up to
 one received gradient where a stage's backward holds its incoming gradient to its peak anyway (its
@@ -61,14 +71,15 @@ boundary transfer to its *sender*: ``a_last`` forward to device ``s + 1`` (not o
 bandwidth: transfers are free). Transfers do not overlap the sender's compute. The iteration time of both
 schedules (GPipe and 1F1B have the same bubble) is::
 
-    T = (m - 1) * max_s t_s + sum_s t_s
+    T = (m - 1) * max_s t_s + sum_s t_s + sum_s sync_s
 
-the time for the bottleneck device to process ``m`` micro-batches plus the fill and drain of the pipeline
-through the others; with balanced stages it is the familiar ``(m + P - 1) * t`` (Huang et al., GPipe,
-NeurIPS 2019; Narayanan et al., PipeDream-2BW / Megatron-LM, SC 2021: bubble fraction ``(P - 1) / m``). It
-assumes each device's forward and backward of a micro-batch run back to back on the critical path (exact
-for balanced stages, an approximation for unbalanced ones, where the bottleneck device sets the steady
-state and the others add their fill/drain once).
+(``sync_s``: the sums of shared parameters' gradients, once per step, one exchange of each copy's gradient
+charged to the device holding the copy, :func:`sync_seconds`), the time for the bottleneck device to process
+``m`` micro-batches plus the fill and drain of the pipeline through the others; with balanced stages it is the
+familiar ``(m + P - 1) * t`` (Huang et al., GPipe, NeurIPS 2019; Narayanan et al., PipeDream-2BW /
+Megatron-LM, SC 2021: bubble fraction ``(P - 1) / m``). It assumes each device's forward and backward of a
+micro-batch run back to back on the critical path (exact for balanced stages, an approximation for unbalanced
+ones, where the bottleneck device sets the steady state and the others add their fill/drain once).
 
 The solver (solvers/partition.py) predicts with these same functions, so a plan's figures equal
 :func:`simulate_pipeline`'s.
@@ -81,7 +92,7 @@ from planner.chain import Chain, Loss
 from planner.errors import MemschedError
 from planner.plan import PIPELINE_SCHEDULES, Plan
 from planner.simulator import ChainSimulator, backward_peak
-from planner.step_memory import TrainingSetup, parameters_of
+from planner.step_memory import PROFILE_GRADIENT_BYTES, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,7 @@ class DeviceResult:
     step_peak: int  # above resident and buffers: gradients and micro-batches (step_peak)
     transfer: float  # boundary sends charged to this device
     peak_bytes: int  # resident + buffers + step_peak
+    sync: float = 0.0  # seconds per step summing its copies' gradients with the other devices (sync_seconds)
 
     @property
     def time(self) -> float:
@@ -153,30 +165,52 @@ def in_flight(schedule: str, micro_batches: int, devices: int, device: int) -> i
     raise MemschedError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
 
 
-def phase_order(k: int, micro_batches: int) -> str:
+def phase_runs(k: int, micro_batches: int) -> tuple:
     """A device's phases in PyTorch's order, ``F`` (a micro-batch's forward) and ``B`` (its loss and backward),
     micro-batches in order: ``k`` forwards, then one backward and one forward while forwards remain, then the
-    remaining backwards (GPipe is ``k = m``)."""
-    return "F" * k + "BF" * (micro_batches - k) + "B" * k
+    remaining backwards (GPipe is ``k = m``). As runs ``(phase, count, held, held_step, done, done_step)``:
+    ``count`` phases of one kind, the ``i``-th of which runs with ``held + i * held_step`` micro-batches held
+    besides its own (for a backward: once its own is taken off) and ``done + i * done_step`` backwards done
+    before it. The steady phase's backwards and forwards alternate; they are two runs here."""
+    m = micro_batches
+    return (("F", k, 0, 1, 0, 0), ("B", m - k, k - 1, 0, 0, 1), ("F", m - k, k - 1, 0, 1, 1),
+            ("B", k, k - 1, -1, m - k, 1))
 
 
 def step_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
-    """The device's highest point above its resident state and buffers over one step (module docstring)."""
-    peak = held = done = 0
-    gradients = state.gradients
-    for phase in phase_order(k, micro_batches):
-        others = retained(schedule, phase, k, micro_batches, done, state)
-        if phase == "F":
-            peak = max(peak, others + held * micro.held + micro.forward_peak + (gradients if done else 0))
-            held += 1
-            continue
-        held -= 1
-        if done:
-            peak = max(peak, others + held * micro.held + micro.backward_peak + gradients)
-        else:
-            peak = max(peak, others + held * micro.held + micro.first_backward_peak)
-        done += 1
+    """The device's highest point above its resident state and buffers over one step (module docstring).
+
+    Within a run (:func:`phase_runs`) a phase's height is affine in its index, except where the backwards done
+    cross 1 (the gradients exist), ``k - 1`` or ``m - k + 1`` (what :func:`retained` holds), so the highest is
+    at a run's ends or beside a crossing: those phases alone are evaluated, a few per run whatever ``m``."""
+    crossings = (1, k - 1, micro_batches - k + 1)
+    peak = 0
+    for phase, count, held, held_step, done, done_step in phase_runs(k, micro_batches):
+        for i in _ends_and_crossings(count, done, done_step, crossings):
+            peak = max(peak, phase_peak(micro, schedule, phase, k, micro_batches, held + i * held_step,
+                                        done + i * done_step, state))
     return peak
+
+
+def phase_peak(micro: MicroBatch, schedule: str, phase: str, k: int, micro_batches: int, held: int, done: int,
+               state: DeviceState) -> int:
+    """The height of one phase above resident state and buffers: what the engine retains of finished
+    micro-batches, ``held`` micro-batches between their forward and backward, the parameter gradients once
+    made, and the running micro-batch's peak (its first backward makes the gradients)."""
+    base = retained(schedule, phase, k, micro_batches, done, state) + held * micro.held
+    if phase == "F":
+        return base + micro.forward_peak + (state.gradients if done else 0)
+    return base + (micro.backward_peak + state.gradients if done else micro.first_backward_peak)
+
+
+def _ends_and_crossings(count: int, done: int, done_step: int, crossings) -> list:
+    """Indices in a run of ``count`` phases: its first and last, and where ``done`` moves, those on each side of
+    every crossing."""
+    picked = {0, count - 1}
+    if done_step:
+        for crossing in crossings:
+            picked.update((crossing - 1 - done, crossing - done))
+    return sorted(i for i in picked if 0 <= i < count)
 
 
 def device_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
@@ -184,10 +218,13 @@ def device_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, st
     return state.resident + state.buffers + step_peak(micro, schedule, k, micro_batches, state)
 
 
-def pipeline_time(times, micro_batches: int) -> float:
-    """``(m - 1) * max(times) + sum(times)``, the sum taken left to right from device 0."""
+def pipeline_time(times, micro_batches: int, syncs=()) -> float:
+    """``(m - 1) * max(times) + sum(times)``, the sum taken left to right from device 0, plus the devices'
+    gradient sums of shared parameters (``syncs``, seconds per step, :func:`sync_seconds`)."""
     total = 0.0
     for seconds in times:
+        total += seconds
+    for seconds in syncs:
         total += seconds
     return (micro_batches - 1) * max(times) + total
 
@@ -214,15 +251,41 @@ def sub_chain(chain: Chain, first: int, last: int) -> Chain:
                  stages=tuple(stages), loss=loss)
 
 
-def _scaled(stages, gradients: int) -> tuple:
-    """Each stage's ``param_bytes`` scaled to ``gradients`` bytes in all, rounded up (0 without parameters)."""
-    total = sum(stage.param_bytes for stage in stages)
-    return tuple(-(-stage.param_bytes * gradients // total) if total else 0 for stage in stages)
+def _scaled(param_bytes, gradients: int) -> tuple:
+    """Each stage's parameter bytes scaled to ``gradients`` bytes in all, rounded up (0 without parameters)."""
+    total = sum(param_bytes)
+    return tuple(-(-nbytes * gradients // total) if total else 0 for nbytes in param_bytes)
+
+
+def copies(chain: Chain, first: int, last: int) -> tuple:
+    """The shared parameters (planner/shared.py) a device on stages ``[first, last)`` holds a copy of: read by one
+    of its stages, owned (counted in ``param_bytes``) by a stage of a later device."""
+    return tuple(entry for entry in chain.shared
+                 if entry.owner >= last and any(first <= stage < last for stage in entry.stages))
+
+
+def device_param_bytes(chain: Chain, first: int, last: int) -> tuple:
+    """Per stage of ``[first, last)``, the parameter bytes the device holds for it: its ``param_bytes``, and at
+    the device's last reader of each copy (:func:`copies`) the copy's bytes (its backward runs first and makes
+    the copy's gradient). A parameter shared within the device stays counted once, by its owner."""
+    extra = [0] * (last - first)
+    for entry in copies(chain, first, last):
+        extra[max(stage for stage in entry.stages if stage < last) - first] += entry.bytes
+    return tuple(stage.param_bytes + more for stage, more in zip(chain.stages[first:last], extra))
 
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
-    """Trainable parameters of stages ``[first, last)``: their ``param_bytes`` / 4, rounded up."""
-    return parameters_of(dataclasses.replace(chain, stages=chain.stages[first:last]))
+    """Trainable parameters a device on stages ``[first, last)`` holds: :func:`device_param_bytes` / 4, rounded up
+    (as planner.step_memory.parameters_of counts a chain)."""
+    return -(-sum(device_param_bytes(chain, first, last)) // PROFILE_GRADIENT_BYTES)
+
+
+def sync_seconds(chain: Chain, first: int, last: int, setup: TrainingSetup, bandwidth, latency: float) -> float:
+    """Seconds per step a device on ``[first, last)`` spends summing its copies' gradients with the other devices
+    holding them, after its last backward: one exchange of each copy's gradient (the setup's size),
+    ``bytes / bandwidth + latency``; 0 without a bandwidth."""
+    return sum(transfer_seconds(setup.gradient_bytes(-(-entry.bytes // PROFILE_GRADIENT_BYTES)), bandwidth, latency)
+               for entry in copies(chain, first, last))
 
 
 def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micro_batches: int) -> DeviceState:
@@ -237,7 +300,8 @@ def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micr
                        for stage in chain.stages[first:last - 1]) + (0,)
     return DeviceState(resident=setup.resident_bytes(parameters),
                        buffers=micro_batches * (chain.act_bytes(first) + (0 if is_last else output)),
-                       stage_gradients=_scaled(chain.stages[first:last], setup.gradient_bytes(parameters)),
+                       stage_gradients=_scaled(device_param_bytes(chain, first, last),
+                                               setup.gradient_bytes(parameters)),
                        input_gradient=chain.act_bytes(first) if first > 0 else 0, output=output,
                        loss_saved=chain.loss.saved_bytes if is_last else 0, still_held=still_held, is_last=is_last)
 
@@ -339,7 +403,8 @@ def device_result(chain: Chain, first: int, last: int, local_schedule, schedule:
     return DeviceResult(first=first, last=last, in_flight=k, resident_bytes=state.resident,
                         buffer_bytes=state.buffers, gradient_bytes=state.gradients, micro=micro,
                         step_peak=peak - state.resident - state.buffers,
-                        transfer=sends(chain, first, last, bandwidth, latency), peak_bytes=peak)
+                        transfer=sends(chain, first, last, bandwidth, latency), peak_bytes=peak,
+                        sync=sync_seconds(chain, first, last, setup, bandwidth, latency))
 
 
 def to_local(schedule, first: int) -> tuple:
@@ -372,5 +437,5 @@ def simulate_pipeline(chain: Chain, plan: Plan, setup: TrainingSetup = None) -> 
         except MemschedError as exc:
             raise MemschedError(f"pipeline plan: devices[{s}] (stages {device.first} to {device.last - 1}): {exc} "
                                 f"(stages numbered from the device's first, {device.first})") from None
-    return PipelineResult(time=pipeline_time([r.time for r in results], pipe.micro_batches),
+    return PipelineResult(time=pipeline_time([r.time for r in results], pipe.micro_batches, [r.sync for r in results]),
                           peak_bytes=max(r.peak_bytes for r in results), devices=tuple(results))

@@ -32,6 +32,10 @@ A plan of kind ``pipeline`` runs a chain on several devices (solvers/partition.p
 ``schedule`` it has a :class:`Pipeline`, with per device its stage range and its own chain schedule (stage
 indices of the whole chain; on a device other than the last, ``Loss`` is the arrival of the gradient of its
 last output from the next device). The pipeline simulator (planner/pipeline_simulator.py) gives the rules.
+
+A plan of a chain that records what it was measured on carries a copy of that record
+(``problem.measured_on``, :class:`planner.measured_on.MeasuredOn`), so that the executors can check the
+model's stages and inputs without the chain.
 """
 
 from dataclasses import dataclass, field
@@ -41,6 +45,8 @@ from planner import validate
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
+from planner.measured_on import MeasuredOn
+from planner.shared import shared_from_list
 from planner.transfer import Transfer
 
 PLAN_FORMAT = "memsched.plan/1"
@@ -51,8 +57,11 @@ OPS = FORWARD_OPS + ("Loss", "B") + TRANSFER_OPS
 GRAPH_OPS = ("compute", "free")
 KINDS = ("chain", "graph", "pipeline")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+# Micro-batches of one pipeline step: each is a forward and a backward on every device and a receive buffer on
+# each but the first (PyTorch's schedules), and at least one sample of the batch.
+MAX_MICRO_BATCHES = 2**20
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline")
-_PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices")
+_PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
 
@@ -121,7 +130,8 @@ class PipelineDevice:
 class Pipeline:
     """What a pipeline plan runs: the schedule name (``1f1b`` or ``gpipe``), micro-batches per iteration, the
     activation channel between devices (bytes/s, or None for free transfers; seconds of latency), the training
-    setup (planner.step_memory.TrainingSetup's fields) and the devices in order."""
+    setup (planner.step_memory.TrainingSetup's fields), the devices in order, and the chain's shared parameters
+    (planner/shared.py) the devices' figures count, copied when solving: what the executor checks and sums."""
 
     schedule: str
     micro_batches: int
@@ -129,10 +139,12 @@ class Pipeline:
     latency: float
     setup: dict
     devices: tuple
+    shared: tuple = ()
 
     def to_dict(self) -> dict:
         return {"schedule": self.schedule, "micro_batches": self.micro_batches, "bandwidth": self.bandwidth,
-                "latency": self.latency, "setup": dict(self.setup), "devices": [d.to_dict() for d in self.devices]}
+                "latency": self.latency, "setup": dict(self.setup), "devices": [d.to_dict() for d in self.devices],
+                **({"shared": [entry.to_dict() for entry in self.shared]} if self.shared else {})}
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,7 @@ class Plan:
     gap: Optional[float] = None  # relative gap to the solver's bound, when it reports one (graph solvers)
     transfer: Optional[Transfer] = None  # the copy channel an offload plan was solved for
     pipeline: Optional[Pipeline] = None  # the devices of a plan of kind "pipeline" (its schedule is empty)
+    measured_on: Optional[MeasuredOn] = None  # the chain's, copied when solving: what the executor checks
 
     @property
     def moves_data(self) -> bool:
@@ -184,7 +197,8 @@ class Plan:
         return {
             "format": PLAN_FORMAT,
             "kind": self.kind,
-            "problem": {"name": self.problem_name, "fingerprint": self.fingerprint},
+            "problem": {"name": self.problem_name, "fingerprint": self.fingerprint,
+                        **({} if self.measured_on is None else {"measured_on": self.measured_on.to_dict()})},
             "solver": {"name": self.solver, "params": dict(self.params), "solve_seconds": self.solve_seconds,
                        "optimal": self.optimal, **({} if self.gap is None else {"gap": self.gap})},
             "budget_bytes": self.budget_bytes,
@@ -210,7 +224,7 @@ class Plan:
             raise MemschedError(f"{where}: only a plan of kind 'pipeline' has a 'pipeline' object, not one of "
                                 f"kind {kind!r}")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
-        validate.reject_unknown(problem, ("name", "fingerprint"), f"{where}: problem")
+        validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
         validate.reject_unknown(solver, ("name", "params", "solve_seconds", "optimal", "gap"), f"{where}: solver")
         predicted = _object(validate.require(data, "predicted", where), f"{where}: predicted")
@@ -244,6 +258,8 @@ class Plan:
                 validate.require(data, "schedule", where), f"{where}: schedule"),
             pipeline=pipeline if kind == "pipeline" else None,
             transfer=None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer"),
+            measured_on=None if problem.get("measured_on") is None else MeasuredOn.from_dict(
+                problem["measured_on"], f"{where}: problem.measured_on"),
         )
 
 
@@ -254,14 +270,10 @@ def _pipeline_from_dict(raw, where: str) -> Pipeline:
     name = validate.require(raw, "schedule", where)
     if name not in PIPELINE_SCHEDULES:
         raise MemschedError(f"{where}.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {name!r}")
-    micro = _index(raw, "micro_batches", where)
-    if micro < 1:
-        raise MemschedError(f"{where}: micro_batches must be at least 1, got {micro}")
+    micro = check_micro_batches(validate.require(raw, "micro_batches", where), f"{where}.micro_batches")
     bandwidth = raw.get("bandwidth")
-    if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
-                                  or not 0 < bandwidth < float("inf")):
-        raise MemschedError(f"{where}.bandwidth must be bytes per second > 0, or null for free transfers, "
-                            f"got {bandwidth!r}")
+    if bandwidth is not None:
+        bandwidth = validate.bandwidth(bandwidth, f"{where}.bandwidth", other="null for free transfers")
     latency = validate.non_negative_seconds(raw.get("latency", 0.0), f"{where}.latency")
     setup = _object(validate.require(raw, "setup", where), f"{where}.setup")
     try:
@@ -298,8 +310,20 @@ def _pipeline_from_dict(raw, where: str) -> Pipeline:
     if name == "1f1b" and micro < len(devices):
         raise MemschedError(f"{where}: 1F1B needs at least as many micro-batches as devices ({micro} < "
                             f"{len(devices)}); solve again with more micro-batches or the gpipe schedule")
+    shared = shared_from_list(raw.get("shared"), f"{where}.shared", start)
     return Pipeline(schedule=name, micro_batches=micro, bandwidth=None if bandwidth is None else float(bandwidth),
-                    latency=float(latency), setup=dict(setup), devices=tuple(devices))
+                    latency=float(latency), setup=dict(setup), devices=tuple(devices), shared=shared)
+
+
+def check_micro_batches(value, where: str) -> int:
+    """A pipeline step's micro-batches: a whole number from 1 to :data:`MAX_MICRO_BATCHES`, else one line."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MICRO_BATCHES:
+        shown = value if not isinstance(value, int) or value.bit_length() <= 64 else \
+            f"about 2**{value.bit_length() - 1}"
+        raise MemschedError(f"{where} must be a whole number from 1 to {MAX_MICRO_BATCHES} (2**20), got {shown!r}; "
+                            "each micro-batch is at least one sample of the batch and a forward and a backward on "
+                            "every device: no real step has more")
+    return value
 
 
 def _gap(value, where: str):
@@ -331,6 +355,9 @@ def _index(item: dict, key: str, here: str) -> int:
     value = validate.require(item, key, here)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise MemschedError(f"{here}: {key} must be a non-negative integer, got {value!r}")
+    if value >= validate.MAX_INDEX:
+        raise MemschedError(f"{here}: {key} must be below {validate.MAX_INDEX} (the most stages or nodes a problem "
+                            f"has), got {value}")
     return value
 
 
@@ -411,8 +438,14 @@ def check_graph_plan_matches(plan: Plan, graph, plan_where: str = "plan") -> Non
 
 
 def load_plan(path) -> Plan:
-    """Read and validate a ``memsched.plan/1`` file."""
-    return Plan.from_dict(read_json(path), where=str(path))
+    """Read and validate a ``memsched.plan/1`` file, its chain or pipeline schedules included: one that cannot
+    run (a backward skipped or repeated, no ``Loss``...) is refused here, before anything runs
+    (:func:`planner.simulator.check_plan_schedules`)."""
+    from planner.simulator import check_plan_schedules  # the simulator reads plans: imported when used
+
+    plan = Plan.from_dict(read_json(path), where=str(path))
+    check_plan_schedules(plan, str(path))
+    return plan
 
 
 def save_plan(plan: Plan, path) -> None:

@@ -40,9 +40,10 @@ operations' times.
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from planner.chain import Chain
+from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
 from planner.plan import TRANSFER_OPS, Op, Plan, check_plan_matches
+from planner.transfer import Transfer
 
 
 class ScheduleError(MemschedError):
@@ -117,7 +118,8 @@ class ChainSimulator:
             if not state.abar >> (i + 1) & 1:
                 raise ValueError(f"ā_{i + 1} is not in memory (run F_all {i} first)")
             if not state.grad >> (i + 1) & 1:
-                raise ValueError(f"δ_{i + 1} is not in memory (run the backward of stage {i + 1} or the loss first)")
+                source = "the loss" if i + 1 == length else f"the backward of stage {i + 1}"
+                raise ValueError(f"δ_{i + 1} is not in memory (run {source} first)")
             self._need_activation(state, i)
             bit = ~(1 << (i + 1))
             freed = state._replace(abar=state.abar & bit, grad=state.grad & bit)
@@ -200,6 +202,55 @@ def replay(state, step, schedule, label: str) -> tuple:
         peak = max(peak, op_peak)
         state = new
     return state, SimResult(peak_bytes=peak, time=clock, timeline=tuple(timeline))
+
+
+def planned_stages(schedule) -> int:
+    """The number of stages a chain schedule runs: one more than the highest stage it computes (0 if none)."""
+    return 1 + max((op.stage for op in schedule if op.stage is not None and op.kind not in TRANSFER_OPS), default=-1)
+
+
+_NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
+
+
+def check_schedule(schedule, length: int) -> None:
+    """Refuse a chain schedule that no chain of ``length`` stages can run, without the chain.
+
+    Which rule an operation breaks (an input not in memory, a backward repeated or missing, no ``Loss``, an
+    item moved that is not there...) does not depend on the stages' sizes, so the simulator's own rules are
+    replayed on ``length`` stages of zero bytes and seconds: a schedule with transfers by the offload
+    simulator, over a channel of 1 B/s each way. The first broken rule is a :class:`ScheduleError` naming the
+    operation's index and the rule, as :func:`simulate` names it; only the rules that need sizes (a host-weight
+    stage's gradients left on the device where it has some) are left to :func:`simulate` with the chain.
+    """
+    if length < 1:
+        raise ScheduleError("schedule runs no forward or backward of any stage; a chain has at least one stage")
+    chain = Chain(name="schedule check", device="none", input_bytes=0, stages=(_NO_SIZES,) * length, loss=Loss())
+    if any(op.kind in TRANSFER_OPS for op in schedule):
+        from planner.offload_simulator import OffloadSimulator
+
+        OffloadSimulator(chain, Transfer(1.0, 1.0)).run(schedule)
+    else:
+        ChainSimulator(chain).run(schedule)
+
+
+def check_plan_schedules(plan: Plan, where: str = "plan") -> None:
+    """:func:`check_schedule` on a plan's schedule (kind ``chain``: as many stages as it computes) or on each
+    pipeline device's (its own stages, numbered from 0 on the device); a graph plan is left to the graph
+    simulator, which needs the graph."""
+    try:
+        if plan.kind == "chain":
+            check_schedule(plan.schedule, planned_stages(plan.schedule))
+    except ScheduleError as exc:
+        raise ScheduleError(f"{where}: {exc}") from None
+    if plan.kind != "pipeline":
+        return
+    for k, device in enumerate(plan.pipeline.devices):
+        local = tuple(op if op.stage is None else op._replace(stage=op.stage - device.first) for op in device.schedule)
+        try:
+            check_schedule(local, device.last - device.first)
+        except ScheduleError as exc:
+            raise ScheduleError(f"{where}: pipeline.devices[{k}] (stages {device.first} to {device.last - 1}, "
+                                f"numbered from 0 on the device): {exc}") from None
 
 
 def simulate(chain: Chain, plan_or_schedule, transfer=None) -> SimResult:

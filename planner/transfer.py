@@ -64,9 +64,7 @@ NO_TRANSFER = Transfer(0.0, 0.0, 0.0)
 
 
 def _bandwidth(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise MemschedError(f"{where} must be a finite number of bytes per second >= 0, got {value!r}")
-    return float(value)
+    return validate.bandwidth(value, where, zero="no channel that way")
 
 
 def parse_bandwidth(text: str, what: str = "--bandwidth") -> float:
@@ -74,8 +72,7 @@ def parse_bandwidth(text: str, what: str = "--bandwidth") -> float:
     match = _RATE.match(str(text))
     factor = _UNITS.get((match.group(2) or "b").lower()) if match else None
     if factor is None:
-        raise MemschedError(f"{what}: cannot read {text!r}; write a rate like 16GB/s, 12GiB/s or 0 (no channel)")
-    value = float(Decimal(match.group(1)) * factor)
-    if not math.isfinite(value):
-        raise MemschedError(f"{what}: {text!r} is not a finite rate")
-    return value
+        raise MemschedError(f"{what}: cannot read {text!r}; write a rate like 16GB/s or 12GiB/s")
+    number = Decimal(match.group(1))
+    value = float(number * factor) if number.adjusted() <= 30 else math.inf  # 1e31 or more: out of range
+    return validate.bandwidth(value, f"{what} {text!r}")

@@ -4,6 +4,7 @@ import re
 from decimal import Decimal
 
 from planner.errors import MemschedError
+from planner.validate import MAX_BYTES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,6 +20,8 @@ def parse_budget(text: str, reference_bytes: int = None, what: str = "budget") -
     if not match:
         raise MemschedError(f"{what}: cannot read {text!r}; write bytes like 123456789, 4GiB, 512MB, or a percentage like 50%")
     number, unit = Decimal(match.group(1)), match.group(2)  # exact decimal arithmetic: no rounding surprises
+    if number.adjusted() > 30:  # 1e31 or more, whatever the unit: refused before a slow exact conversion
+        raise MemschedError(_beyond(what, text))
     if unit == "%":
         if reference_bytes is None:
             raise MemschedError(f"{what}: a percentage needs a chain to take it of; give bytes instead")
@@ -28,9 +31,13 @@ def parse_budget(text: str, reference_bytes: int = None, what: str = "budget") -
         if factor is None:
             raise MemschedError(f"{what}: unknown unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %")
         value = int(number * factor)
-    if not 1 <= value < 2**63:
-        raise MemschedError(f"{what}: {text!r} must be a positive amount of memory (at least 1 byte, below 8 EiB)")
+    if not 1 <= value <= MAX_BYTES:
+        raise MemschedError(_beyond(what, text))
     return value
+
+
+def _beyond(what: str, text: str) -> str:
+    return f"{what}: {text!r} must be a positive amount of memory (at least 1 byte, at most 1 EiB = {MAX_BYTES} bytes)"
 
 
 def format_bytes(count: int) -> str:

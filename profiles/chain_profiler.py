@@ -30,9 +30,14 @@ statistics on a GPU), timing from separate runs without it. With
 allocate nothing, and times are FLOPs (``FlopCounterMode``) divided by a
 stated throughput. The model is left as it was: buffers such as BatchNorm's
 running statistics and the random number generators are restored.
+
+The chain records what it was measured on (``measured_on``): the shape and dtype
+of every example input tensor and of every stage's parameters, which the
+executors check before running a plan of it (planner/measured_on.py).
 """
 
 import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -41,7 +46,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
+from planner.executor import _accumulate
 from planner.graph_capture import checked_device, default_loss, quiet_fake_tensor_log  # noqa: F401 (used by the CLI)
+from planner.measured_on import measured_on
+from planner.shared import shared_parameters
 from planner.stages import named_stages, preserved_state
 from profiles.memory import LiveMemoryTracker, memory_meter, storage_bytes, storages
 from profiles.transfer_profiler import measure_transfer
@@ -50,12 +58,71 @@ DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 
 
 def build_fake(factory):
-    """Call ``factory()`` under a fresh ``FakeTensorMode``: its model and inputs allocate nothing. Returns ``(mode, result)``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """``(mode, factory())`` with the model's parameters and buffers and the tensor inputs fake tensors of one
+    fresh ``FakeTensorMode``, ``mode``.
+
+    ``factory()`` is called under that mode, so that nothing is allocated; but
+    fake tensors have no values, so an initialisation that reads the values it
+    draws fails there (``torch.nn.init.trunc_normal_`` loops until every value
+    lies within its bounds: every ViT and ConvNeXt). Such a factory is called
+    again for real, its parameters allocated but no activation, and then
+    :func:`fake_copies` replaces its tensors by fake ones. Tensors the loss
+    closes over (targets) stay real: the mode takes them as constants.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        return mode, factory()
+    try:
+        with mode:
+            return mode, factory()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        pass
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # not the one the failed build left fake tensors in
+    return mode, fake_copies(mode, factory())
+
+
+def fake_copies(mode, built):
+    """``built`` (a :class:`profiles.zoo.ChainModel`, or ``(stages, example_inputs[, loss_fn])``) with the
+    parameters and buffers of its stages replaced in place by fake tensors of ``mode`` of the same shape,
+    strides, dtype, device and ``requires_grad`` (a parameter shared by two modules stays one), and its tensor
+    inputs by fake copies; anything else is left as it is for the profiler to judge."""
+    from profiles.zoo import ChainModel
+
+    if isinstance(built, ChainModel):
+        _fake_modules(mode, [module for _, module in built.stages])
+        return dataclasses.replace(built, example_inputs=_fake_tree(mode, built.example_inputs))
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        return built
+    stages = built[0]
+    if isinstance(stages, torch.nn.Module):
+        modules = [stages]
+    else:
+        modules = list(stages.values()) if isinstance(stages, dict) else list(stages) if isinstance(
+            stages, (list, tuple)) else []
+        modules = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in modules]
+    _fake_modules(mode, [module for module in modules if isinstance(module, torch.nn.Module)])
+    return (stages, _fake_tree(mode, built[1]), *built[2:])
+
+
+def _fake_modules(mode, modules) -> None:
+    """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``."""
+    copies = {}  # id(real tensor) -> (real, fake): the real one held, so that its id is not reused meanwhile
+
+    def fake(tensor):
+        if id(tensor) not in copies:
+            copies[id(tensor)] = (tensor, mode.from_tensor(tensor))  # a Parameter's copy is a Parameter
+        return copies[id(tensor)][1]
+
+    for module in modules:
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        table[name] = fake(tensor)
+
+
+def _fake_tree(mode, tree):
+    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
@@ -85,6 +152,9 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     modules = [module for _, module in pairs]
     with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
+        for module in modules:  # gradients are made from None, as in a step (the caller's come back after)
+            for parameter in _module_parameters(module):
+                parameter.grad = None
         resident = _tensors(inputs)
         profiled, owned = [], _parameter_owners(modules)
         activation = first
@@ -103,7 +173,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     if transfer is None and fake_mode is None:
         transfer = measure_transfer(device)
     return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
-                 transfer=transfer)
+                 transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs))
 
 
 def _tensors(tree) -> list:
@@ -326,10 +396,12 @@ class _HandOver(torch.autograd.Function):
 
 
 def _backward(outputs, stage_input, module) -> None:
-    """The stage's backward as in a whole chain: parameter gradients stored in ``.grad``, input gradients made.
+    """The stage's backward as in a whole chain: parameter gradients into ``.grad``, input gradients made.
 
     ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
     chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
+    The parameter gradients go into ``.grad`` as the executor puts them (``planner.executor._accumulate``:
+    autograd's layout rule, so a gradient AccumulateGrad would copy is copied here too, at either thread count).
     """
     differentiable = [t for t in outputs if t.requires_grad]
     targets = [t for t in _tensors(stage_input) if t.requires_grad]
@@ -340,10 +412,9 @@ def _backward(outputs, stage_input, module) -> None:
         root = differentiable[0]  # the loss: its gradient is the scalar 1
     else:
         root = sum(_IncomingGradient.apply(t).sum() for t in differentiable)
-    results = torch.autograd.grad(root, targets + parameters, allow_unused=True)
-    for parameter, grad in zip(parameters, results[len(targets):]):
-        if grad is not None:
-            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+    results = list(torch.autograd.grad(root, targets + parameters, allow_unused=True))
+    parameter_grads, results[len(targets):] = results[len(targets):], []  # _accumulate's alone (it frees them)
+    _accumulate(parameters, parameter_grads)
 
 
 def _module_parameters(module) -> list:

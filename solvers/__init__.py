@@ -104,6 +104,7 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **param
         predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
         schedule=solution.schedule,
         transfer=transfer,
+        measured_on=chain.measured_on,
     )
 
 

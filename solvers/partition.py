@@ -7,15 +7,16 @@ iteration, the schedule (``1f1b`` or ``gpipe``), the activation channel between 
 kind ``pipeline`` (planner/plan.py): per device its stages ``[first, last)`` and its own schedule.
 
 **Model** (planner/pipeline_simulator.py states it in full, and predicts every plan). Device ``s`` runs its
-stages as a standalone sub-chain (input: the activation it receives; loss: the chain's on the last device,
-else the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its
-schedule's compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
-``bytes / bandwidth + latency``). The iteration takes ``T = (m - 1) * max_s t_s + sum_s t_s`` for both
-schedules. Device ``s`` starts ``k_s`` forwards before its first backward (``m`` for GPipe, ``min(m, P - s)``
-for 1F1B) and its peak is found by walking its phases in PyTorch's order: its resident state and buffers
-(the ``m`` inputs and received gradients), its parameter gradients from its first backward on, each
-micro-batch held between forward and backward, what the engine still references of finished ones (pending
-sends), and the running phase's peak.
+stages as a standalone sub-chain (input: the activation it receives; loss: the chain's on the last device, else
+the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its schedule's
+compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
+``bytes / bandwidth + latency``). The iteration takes ``T = (m - 1) * max_s t_s + sum_s t_s + sum_s sync_s`` for both schedules
+(``sync_s``: once per step, the gradient sums of the copies a device holds of parameters shared with a later
+device's stages, the chain's ``shared``; each copy is counted in that device's memory as its own parameter).
+Device ``s`` starts ``k_s`` forwards before its first backward (``m`` for GPipe, ``min(m, P - s)`` for 1F1B) and
+its peak is found by walking its phases in PyTorch's order: its resident state and buffers (the ``m`` inputs and
+received gradients), its parameter gradients from its first backward on, each micro-batch held between forward
+and backward, what the engine still references of finished ones (pending sends), and the running phase's peak.
 
 **A device's schedule for a candidate range** (:meth:`PartitionProblem.option`), for stages ``[a, b)`` at
 ``k`` forwards before the first backward, each judged by its exact device peak (the walk above):
@@ -35,14 +36,14 @@ own, and only where needed (below).
 
 **Exact dynamic program.** ``T`` is not a sum, so the bottleneck ``β`` is enumerated over the sorted distinct
 finite ``t`` values; for each, a min-sum DP over (prefix, devices used) with every ``t_s <= β`` gives
-``(m - 1) * β + Σ``, and the best over ``β`` is the optimum (for ``β`` = the optimum's bottleneck the DP's sum
-is at most the optimum's; any DP solution has true ``T`` at most its bound). The DPs run in numpy batches of
-``β`` values, ascending, and stop once ``(m - 1) * β + Σ_unbounded`` exceeds the best found. Cost:
-``O(B * P * L^2)`` for ``B <= P * L^2 / 2`` candidate values (usually a few hundred are enough), plus the
-options: store-all figures and the least-memory schedule for each of the ``L (L + 1) / 2`` ranges, and
-Rotor for the ranges that need recomputation and may be optimal: a range with ``m * t_lower > T_upper`` is
-skipped exactly (``T >= m * t_s`` for every device), where ``t_lower`` is its store-all time and
-``T_upper`` the optimum with the least-memory schedule in place of Rotor's.
+``(m - 1) * β + Σ`` (``Σ`` of ``t_s + sync_s``), and the best over ``β`` is the optimum (for ``β`` = the optimum's
+bottleneck the DP's sum is at most the optimum's; any DP solution has true ``T`` at most its bound). The DPs run
+in numpy batches of ``β`` values, ascending, and stop once ``(m - 1) * β + Σ_unbounded`` exceeds the best found.
+Cost: ``O(B * P * L^2)`` for ``B <= P * L^2 / 2`` candidate values (usually a few hundred are enough), plus the
+options: store-all figures and the least-memory schedule for each of the ``L (L + 1) / 2`` ranges, and Rotor for
+the ranges that need recomputation and may be optimal: a range with ``m * t_lower > T_upper`` is skipped exactly
+(``T >= m * t_s`` for every device), where ``t_lower`` is its store-all time and ``T_upper`` the optimum with
+the least-memory schedule in place of Rotor's.
 
 **Infeasible**: a one-line :class:`MemschedError` with the smallest device memory that would fit (a min-max
 DP over each range's least requirement: the exact peak of store-all or of the least-memory schedule).
@@ -56,8 +57,8 @@ import numpy as np
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_peak, device_result, device_state, in_flight,
-                                        micro_batch, pipeline_time, sends, sub_chain, to_global)
-from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+                                        micro_batch, pipeline_time, sends, sub_chain, sync_seconds, to_global)
+from planner.plan import Pipeline, PipelineDevice, Plan, Predicted, check_micro_batches
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup
 from planner.units import format_bytes
@@ -90,9 +91,9 @@ class PartitionProblem:
                  bandwidth=None, latency: float = 0.0, setup: TrainingSetup = None, slots: int = DEFAULT_SLOTS):
         if schedule not in PIPELINE_SCHEDULES:
             raise MemschedError(f"partition: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
-        for value, what in ((devices, "devices"), (micro_batches, "micro_batches")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MemschedError(f"partition: {what} must be a whole number >= 1, got {value!r}")
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise MemschedError(f"partition: devices must be a whole number >= 1, got {devices!r}")
+        check_micro_batches(micro_batches, "partition: micro_batches (--micro-batches)")
         if devices > chain.length:
             raise MemschedError(f"partition: {devices} devices for chain '{chain.name}' of {chain.length} stages; "
                                 "each device needs at least one stage: use at most that many devices")
@@ -152,6 +153,10 @@ class PartitionProblem:
         result = device_result(self.chain, a, b, schedule, self.schedule, k, self.micro_batches, self.setup,
                                self.bandwidth, self.latency, micro, self.sub(a, b)[1])
         return Option(kind, schedule, result)
+
+    def sync(self, a: int, b: int) -> float:
+        """Seconds per step a device on ``[a, b)`` spends summing its copies of shared parameters' gradients."""
+        return sync_seconds(self.chain, a, b, self.setup, self.bandwidth, self.latency)
 
     def lower_time(self, a: int, b: int) -> float:
         """Seconds per micro-batch of store-all on ``[a, b)``: no schedule of it is faster."""
@@ -241,16 +246,17 @@ class PartitionProblem:
         return min(self.store_all_peak(a, b, k), self.least_peak(a, b, k))
 
 
-def _min_sum(times: np.ndarray, bounds: np.ndarray):
-    """For each bound β: the least left-to-right sum over partitions with every ``t_s <= β`` (inf if none), and
-    the argmin tables ``(K, P, L+1)`` to read the partition back."""
+def _min_sum(times: np.ndarray, bounds: np.ndarray, syncs: np.ndarray):
+    """For each bound β: the least left-to-right sum of ``t_s + sync_s`` over partitions with every ``t_s <= β``
+    (inf if none), and the argmin tables ``(K, P, L+1)`` to read the partition back."""
     P, size, _ = times.shape
     K = len(bounds)
     f = np.full((K, size), np.inf)
     f[:, 0] = 0.0
     choices = np.empty((K, P, size), dtype=np.int64)
+    costs = times + syncs
     for s in range(P):
-        masked = np.where(times[s][None, :, :] <= bounds[:, None, None], times[s][None, :, :], np.inf)
+        masked = np.where(times[s][None, :, :] <= bounds[:, None, None], costs[s][None, :, :], np.inf)
         total = f[:, :, None] + masked  # (K, a, b)
         choices[:, s, :] = np.argmin(total, axis=1)
         f = np.take_along_axis(total, choices[:, s, None, :], axis=1)[:, 0, :]
@@ -287,30 +293,32 @@ def min_max_partition(values: np.ndarray):
     return best, _read_back(choices, values.shape[1] - 1)
 
 
-def best_partition(times: np.ndarray, micro_batches: int):
-    """``(T, [(a_s, b_s)])``: the least ``(m - 1) * max + sum`` over partitions for a table ``times[s, a, b]``
-    (inf: not allowed), or ``(inf, None)``."""
+def best_partition(times: np.ndarray, micro_batches: int, syncs: np.ndarray = None):
+    """``(T, [(a_s, b_s)])``: the least ``(m - 1) * max t + sum (t + sync)`` over partitions for tables
+    ``times[s, a, b]`` (inf: not allowed) and ``syncs[a, b]`` (seconds per step; none: 0), or ``(inf, None)``."""
     P, size, _ = times.shape
+    syncs = np.zeros((size, size)) if syncs is None else syncs
     finite = np.unique(times[np.isfinite(times)])
     if finite.size == 0:
         return np.inf, None
     bottleneck, _ = _min_max(times)
     if not np.isfinite(bottleneck):
         return np.inf, None
-    unbounded, _ = _min_sum(times, np.array([np.inf]))
+    unbounded, _ = _min_sum(times, np.array([np.inf]), syncs)
     candidates = finite[finite >= bottleneck]
     best, best_parts = np.inf, None
     for start in range(0, len(candidates), BATCH):
         bounds = candidates[start:start + BATCH]
         if (micro_batches - 1) * bounds[0] + unbounded[0] > best:
             break
-        sums, choices = _min_sum(times, bounds)
+        sums, choices = _min_sum(times, bounds, syncs)
         totals = (micro_batches - 1) * bounds + sums
         index = int(np.argmin(totals))
         if totals[index] < best:
             parts = _read_back(choices[index], size - 1)
             # the partition's own T (its bottleneck may be below the bound): at most the bound's value
-            true = pipeline_time([float(times[s, a, b]) for s, (a, b) in enumerate(parts)], micro_batches)
+            true = pipeline_time([float(times[s, a, b]) for s, (a, b) in enumerate(parts)], micro_batches,
+                                 [float(syncs[a, b]) for a, b in parts])
             if true < best:
                 best, best_parts = true, parts
     return best, best_parts
@@ -325,7 +333,8 @@ class PartitionSolution:
 
     @property
     def time(self) -> float:
-        return pipeline_time([o.time for o in self.options], self.problem.micro_batches)
+        return pipeline_time([o.time for o in self.options], self.problem.micro_batches,
+                             [o.result.sync for o in self.options])
 
 
 def least_device_memory(problem: PartitionProblem, store_all: bool = False) -> int:
@@ -385,8 +394,10 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
     times = np.full((P, size, size), np.inf)  # exact where `exact`, else an upper bound
     lower = np.full((P, size, size), np.inf)
     exact = np.zeros((P, size, size), dtype=bool)
+    syncs = np.zeros((size, size))
     for s, a, b in problem.positions():
         k = problem.k(s)
+        syncs[a, b] = problem.sync(a, b)
         found = problem.store_all(a, b, k)
         exact[s, a, b] = found is not None
         if found is None:
@@ -399,7 +410,7 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
         else:
             exact[s, a, b] = True  # nothing fits: inf is exact
     while True:
-        t_upper, parts = best_partition(times, m)
+        t_upper, parts = best_partition(times, m, syncs)
         if not np.isfinite(t_upper):
             raise _infeasible(problem)
         pending = [(s, a, b) for s, (a, b) in enumerate(parts) if not exact[s, a, b]]
@@ -415,7 +426,7 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
             times[s, a, b] = np.inf  # never in an optimal partition
         else:
             times[s, a, b] = problem.option(a, b, problem.k(s)).time
-    _, parts = best_partition(times, m)
+    _, parts = best_partition(times, m, syncs)
     options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
     return PartitionSolution(problem, parts, options, problem.rotor_calls, time.perf_counter() - started)
 
@@ -428,17 +439,19 @@ def partition_plan(solution: PartitionSolution) -> Plan:
                     for (a, b), o in zip(solution.parts, solution.options))
     baseline = pipeline_time([sub_chain(chain, a, b).compute_time + sends(chain, a, b, problem.bandwidth,
                                                                              problem.latency)
-                              for a, b in solution.parts], problem.micro_batches)
+                              for a, b in solution.parts], problem.micro_batches,
+                             [o.result.sync for o in solution.options])
     pipeline = Pipeline(schedule=problem.schedule, micro_batches=problem.micro_batches,
                         bandwidth=None if problem.bandwidth is None else float(problem.bandwidth),
-                        latency=problem.latency, setup=asdict(problem.setup), devices=devices)
+                        latency=problem.latency, setup=asdict(problem.setup), devices=devices, shared=chain.shared)
     return Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition",
                 budget_bytes=problem.memory,
                 predicted=Predicted(peak_bytes=max(d.peak_bytes for d in devices), time=solution.time,
                                     baseline_time=baseline),
                 schedule=(), params={"devices": problem.devices, "slots": problem.slots,
                                      "options": [o.kind for o in solution.options]},
-                solve_seconds=solution.seconds, optimal=True, kind="pipeline", pipeline=pipeline)
+                solve_seconds=solution.seconds, optimal=True, kind="pipeline", pipeline=pipeline,
+                measured_on=chain.measured_on)
 
 
 def partition(chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",

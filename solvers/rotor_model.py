@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner import validate
 from planner.chain import Chain
 from planner.plan import Op
 
@@ -37,7 +38,13 @@ class RotorArrays:
 
 
 def rotor_arrays(chain: Chain, unit: int = 1) -> RotorArrays:
-    """Arrays for ``chain`` with every size rounded up to whole ``unit`` bytes."""
+    """Arrays for ``chain`` with every size rounded up to whole ``unit`` bytes.
+
+    A chain whose sizes add up beyond :data:`planner.validate.MAX_BYTES` (one built in Python: a loaded one is
+    refused before) is refused in one line: numpy's 64-bit sums would overflow, silently or not."""
+    validate.total_bytes([chain.input_bytes, chain.loss.tmp_bytes] + [
+        size for s in chain.stages for size in (s.out_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.nograd_tmp_bytes,
+                                                s.bwd_tmp_bytes, s.param_bytes)], f"chain '{chain.name}'")
 
     def units(values):
         return -(-np.asarray(values, dtype=np.int64) // unit)

@@ -14,7 +14,7 @@ def store_all_split(chain, parts, micro_batches, schedule, setup=None) -> Plan:
     devices = tuple(PipelineDevice(first=a, last=b, schedule=to_global(store_all_schedule(b - a), a), peak_bytes=0,
                                    time=0.0) for a, b in parts)
     pipeline = Pipeline(schedule=schedule, micro_batches=micro_batches, bandwidth=None, latency=0.0,
-                        setup=dataclasses.asdict(setup or TrainingSetup()), devices=devices)
+                        setup=dataclasses.asdict(setup or TrainingSetup()), devices=devices, shared=chain.shared)
     plan = Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition", budget_bytes=10 ** 15,
                 predicted=Predicted(peak_bytes=0, time=0.0, baseline_time=0.0), schedule=(), kind="pipeline",
                 pipeline=pipeline)

@@ -214,7 +214,8 @@ def test_expected_errors_print_one_line_and_exit_2(files, tmp_path, capsys, case
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2
-    assert "usage: memsched" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memsched: error: ") and "--help)" in lines[0], lines
 
 
 def test_installed_console_script(tmp_path):

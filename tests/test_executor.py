@@ -148,14 +148,32 @@ def small():
     return profiled_models(SMALL)
 
 
+@pytest.fixture(params=["default", 1])
+def threads(request):
+    """The machine's default intra-op thread count, then one thread, for one test (restored after): kernels
+    may return other layouts, so other gradient copies, at another count."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(default if request.param == "default" else request.param)
+    yield torch.get_num_threads()
+    torch.set_num_threads(default)
+
+
 @pytest.fixture(scope="module")
-def fidelity():
-    """``{model name: (model, chain)}`` at the FIDELITY sizes."""
-    built = {}
-    for name, spec in FIDELITY.items():
-        model, _ = load_model(spec)
-        built[name] = (model, profile(model))
-    return built
+def fidelity_by_threads():
+    """``{thread count: {model name: (model, chain)}}``, filled by :func:`fidelity`."""
+    return {}
+
+
+@pytest.fixture
+def fidelity(fidelity_by_threads, threads):
+    """``{model name: (model, chain)}`` at the FIDELITY sizes, profiled at ``threads`` (once per count)."""
+    if threads not in fidelity_by_threads:
+        built = {}
+        for name, spec in FIDELITY.items():
+            model, _ = load_model(spec)
+            built[name] = (model, profile(model))
+        fidelity_by_threads[threads] = built
+    return fidelity_by_threads[threads]
 
 
 # --------------------------------------------------------------------------------------------------

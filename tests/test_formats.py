@@ -755,3 +755,61 @@ def test_saving_onto_a_folder_is_a_clear_error(tmp_path):
 ])
 def test_format_bytes(count, expected):
     assert format_bytes(count) == expected
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 6. Bounds (docs/formats.md, "Bounds"): the largest meaningful values are read, the next ones refused
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_sizes_and_times_at_their_bounds_are_read_and_beyond_them_refused():
+    from planner.validate import MAX_BYTES, MAX_SECONDS
+
+    data = base_chain()
+    others = data["loss"]["tmp_bytes"] + sum(stage[field] for stage in data["stages"] for field in stage
+                                             if field.endswith("_bytes")) + sum(stage["fwd_tmp_bytes"]
+                                                                                for stage in data["stages"])
+    data["input_bytes"], data["stages"][0]["fwd_time"] = MAX_BYTES - others, MAX_SECONDS  # nograd_tmp: fwd_tmp's
+    chain = Chain.from_dict(data)
+    assert chain.input_bytes == MAX_BYTES - others and chain.stages[0].fwd_time == MAX_SECONDS
+    data["input_bytes"] += 1  # the sizes now add up to one byte more than 1 EiB
+    with pytest.raises(MemschedError) as excinfo:
+        Chain.from_dict(data)
+    assert_one_line(excinfo, "add up", str(MAX_BYTES))
+    for field, value, fragment in [("out_bytes", MAX_BYTES + 1, "out_bytes"),
+                                   ("bwd_time", math.nextafter(MAX_SECONDS, math.inf), "more than a year")]:
+        data = base_chain()
+        data["stages"][1][field] = value
+        with pytest.raises(MemschedError) as excinfo:
+            Chain.from_dict(data)
+        assert_one_line(excinfo, "stages[1]", fragment)
+
+
+@pytest.mark.parametrize("bandwidth, accepted", [(0, True), (1.0, True), (2.0**60, True), (0.5, False),
+                                                 (2.0**61, False)])
+def test_a_chain_channel_is_no_channel_or_one_a_device_can_have(bandwidth, accepted):
+    data = {**base_chain(), "transfer": {"d2h_bandwidth": bandwidth, "h2d_bandwidth": 1e9}}
+    if accepted:
+        assert Chain.from_dict(data).transfer.d2h_bandwidth == bandwidth
+    else:
+        with pytest.raises(MemschedError) as excinfo:
+            Chain.from_dict(data)
+        assert_one_line(excinfo, "transfer.d2h_bandwidth", "0 (no channel that way)")
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "bom.chain.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(base_chain()).encode())
+    assert load_chain(path).name == "tiny"
+
+
+def test_a_budget_of_a_million_digits_is_refused_at_once():
+    import time
+
+    started = time.perf_counter()
+    for text in ("1e999999", "1e999999999", "1e999999%"):
+        with pytest.raises(MemschedError) as excinfo:
+            parse_budget(text, 1000)
+        assert_one_line(excinfo, "positive", "1 EiB")
+    assert time.perf_counter() - started < 0.1  # was 60 s for 1e999999 (an exact million-digit integer)
+    assert parse_budget(str(2**60)) == 2**60

@@ -308,7 +308,14 @@ def _unvalidated_plan(chain, schedule) -> Plan:
                 predicted=Predicted(1, 0.0, 0.0), schedule=tuple(schedule), transfer=CHANNEL)
 
 
-def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models):
+@pytest.fixture
+def unchecked(monkeypatch):
+    """``apply_plan`` without the schedule check it makes first (planner/simulator.py ``check_schedule``, which
+    refuses these schedules in one line; tests/test_bad_inputs.py): the executor's own guards are what is tested."""
+    monkeypatch.setattr("planner.executor.check_schedule", lambda schedule, length: None)
+
+
+def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models, unchecked):
     model, chain, _, _ = models["mlp"]
     schedule = [op for op in store_all_offloaded(chain.length) if op != Op("Prefetch", 1, "saved")]
     with pytest.raises(MemschedError, match="simulator|schedule"):
@@ -320,7 +327,7 @@ def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models):
     clear_grads(model)
 
 
-def test_an_activation_read_by_a_forward_on_the_host_fails_loudly(models):
+def test_an_activation_read_by_a_forward_on_the_host_fails_loudly(models, unchecked):
     model, chain, _, _ = models["mlp"]
     # a_1 is offloaded and released after F_ck 0, then read by F_ck 1 without a prefetch.
     schedule = [Op("F_ck", 0), Op("Offload", 1, "input"), Op("Release", 1, "input"), Op("F_ck", 1)]
@@ -338,13 +345,25 @@ def test_an_activation_read_by_a_forward_on_the_host_fails_loudly(models):
     ((Op("Offload", 0, "saved"), Op("Prefetch", 0, "saved")), ("Prefetch 0 saved", "not on the host")),
     ((Op("Offload", 3, "input"),), ("Offload 3 input", "never made")),
 ])
-def test_transfers_out_of_order_fail_loudly(models, transfers, words):
+def test_transfers_out_of_order_fail_loudly(models, transfers, words, unchecked):
     model, chain, _, _ = models["mlp"]
     schedule = (Op("F_all", 0),) + transfers + without_transfers(store_all_offloaded(chain.length))[1:]
     planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
     with pytest.raises(MemschedError) as excinfo:
         planned(*model.example_inputs)
     _one_line(excinfo, *words)
+
+
+@pytest.mark.parametrize("transfers", [(Op("Release", 0, "saved"),), (Op("Offload", 0, "saved"), Op("Prefetch", 0, "saved")),
+                                       (Op("Offload", 3, "input"),)])
+def test_apply_plan_refuses_a_schedule_out_of_order_before_running(models, transfers):
+    """Without the monkeypatch above, ``apply_plan`` replays the simulator's rules first: one line naming the
+    operation's index, nothing run."""
+    model, chain, _, _ = models["mlp"]
+    schedule = (Op("F_all", 0),) + transfers + without_transfers(store_all_offloaded(chain.length))[1:]
+    with pytest.raises(MemschedError) as excinfo:
+        apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    _one_line(excinfo, "schedule[", str(transfers[-1]))
 
 
 def test_a_plan_with_transfers_and_no_channel_is_refused(models):

@@ -36,12 +36,12 @@ def ops(text):
 # --- the channel ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, value", [("16GB/s", 16e9), ("12GiB/s", 12 * 2**30), ("800MB", 8e8), ("1.5e10", 1.5e10),
-                                         ("0", 0.0), (" 2 kib / s ", 2048.0)])
+                                         (" 2 kib / s ", 2048.0)])
 def test_bandwidth_is_read_with_decimal_and_binary_units(text, value):
     assert parse_bandwidth(text) == value
 
 
-@pytest.mark.parametrize("text", ["fast", "16GB/h", "-1GB/s", "1e999GB/s", "16 parsecs"])
+@pytest.mark.parametrize("text", ["fast", "16GB/h", "-1GB/s", "1e999GB/s", "16 parsecs", "0"])
 def test_bad_bandwidth_is_one_line(text):
     with pytest.raises(MemschedError, match="--bandwidth") as info:
         parse_bandwidth(text)

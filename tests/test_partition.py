@@ -11,7 +11,8 @@ from pipeline_plans import store_all_split
 
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.pipeline_simulator import phase_order, pipeline_time, simulate_pipeline, sub_chain
+from planner.pipeline_simulator import (DeviceState, MicroBatch, in_flight, phase_runs, pipeline_time, retained,
+                                        simulate_pipeline, step_peak, sub_chain)
 from planner.plan import Plan
 from planner.simulator import ChainSimulator
 from planner.step_memory import TrainingSetup, setup_chain
@@ -35,7 +36,7 @@ def brute_force(problem):
         options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
         if any(o is None for o in options):
             continue
-        total = pipeline_time([o.time for o in options], problem.micro_batches)
+        total = pipeline_time([o.time for o in options], problem.micro_batches, [o.result.sync for o in options])
         if total < best:
             best, best_parts = total, parts
     return best, best_parts
@@ -82,6 +83,47 @@ def test_dp_equals_brute_force(length, devices, seed):
     assert checked >= 8 and recomputing >= 1
 
 
+def tied_chain(length, seed):
+    """A random chain whose first stage shares a parameter with its last, and its second one with its fourth
+    (each half of the owner's param_bytes, which count them)."""
+    from planner.shared import SharedParameter
+
+    chain = random_chain(length, seed=seed, tmp=True, params=True, own_saved=True)
+    shared = (SharedParameter("embed", (0, length - 1), chain.stages[-1].param_bytes // 2),
+              SharedParameter("w", (1, 3), chain.stages[3].param_bytes // 2))
+    return dataclasses.replace(chain, shared=shared)
+
+
+@pytest.mark.parametrize("length,devices,seed", [(5, 2, 11), (6, 3, 12), (7, 2, 13)])
+def test_dp_with_shared_parameters_equals_brute_force(length, devices, seed):
+    """Each device holding a copy of a parameter owned by a later device counts it (memory) and sums its gradient
+    once per step (time, with a channel): the DP's optimum is still the brute force's, and the plan records the
+    chain's shared parameters and re-predicts exactly."""
+    chain = tied_chain(length, seed)
+    untied = dataclasses.replace(chain, shared=())
+    from planner.pipeline_simulator import copies
+
+    synced = 0
+    for schedule, micro, bandwidth in [("1f1b", 2 * devices, 2e8), ("gpipe", devices, None)]:
+        probe = make(chain, devices, 10**15, micro, schedule, bandwidth)
+        least = smallest_memory(probe)
+        plain = make(untied, devices, 10**15, micro, schedule, bandwidth)
+        for s, a, b in probe.positions():  # a copy costs its device memory; elsewhere nothing changes
+            grows = probe.requirement(a, b, probe.k(s)) > plain.requirement(a, b, plain.k(s))
+            assert grows == bool(copies(chain, a, b)), (s, a, b)
+        roomy = max(probe.requirement(a, b, probe.k(s)) for s, a, b in probe.positions())
+        for memory in sorted({least, (least + roomy) // 2, roomy}):
+            expected, _ = brute_force(make(chain, devices, memory, micro, schedule, bandwidth))
+            solution = solve_partition(make(chain, devices, memory, micro, schedule, bandwidth))
+            assert solution.time == expected, (schedule, micro, memory, solution.parts)
+            synced += any(o.result.sync > 0 for o in solution.options)
+    assert synced >= 1
+    plan = partition(chain, devices, 10**15, 2 * devices, bandwidth=2e8, latency=1e-5)
+    assert plan.pipeline.shared == chain.shared and Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    result = simulate_pipeline(chain, plan)
+    assert (result.time, result.peak_bytes) == (plan.predicted.time, plan.predicted.peak_bytes)
+
+
 def uniform_chain(length):
     """Stages of 100-byte outputs that their backward reads (own saved = saved), 40 bytes of fp32 gradients each,
     no temporaries: every figure of the pipeline model can be worked by hand."""
@@ -108,7 +150,73 @@ def test_device_peaks_worked_by_hand(parts, micro, schedule, peaks):
     chain = uniform_chain(2)
     result = simulate_pipeline(chain, store_all_split(chain, parts, micro, schedule, TrainingSetup("sgd")))
     assert [d.peak_bytes for d in result.devices] == peaks
-    assert [phase_order(2, 2), phase_order(1, 2), phase_order(2, 4)] == ["FFBB", "FBFB", "FFBFBFBB"]
+
+
+def walked_peak(micro, schedule, k, m, state):
+    """Every phase of the step in PyTorch's order (k forwards, then a backward and a forward while forwards
+    remain, then the remaining backwards), the highest point above resident state and buffers."""
+    peak = held = done = 0
+    for phase in "F" * k + "BF" * (m - k) + "B" * k:
+        others = retained(schedule, phase, k, m, done, state)
+        if phase == "F":
+            peak = max(peak, others + held * micro.held + micro.forward_peak + (state.gradients if done else 0))
+            held += 1
+            continue
+        held -= 1
+        peak = max(peak, others + held * micro.held + (micro.backward_peak + state.gradients if done
+                                                       else micro.first_backward_peak))
+        done += 1
+    return peak
+
+
+def expanded(runs):
+    """The phases of :func:`phase_runs` one by one, as ``(phase, held, done)``."""
+    return sorted((phase, held + i * held_step, done + i * done_step)
+                  for phase, count, held, held_step, done, done_step in runs for i in range(count))
+
+
+def test_step_peak_equals_walking_every_phase():
+    """step_peak evaluates a few phases per run; walking all 2m phases gives the same peak (random figures, both
+    schedules, every device of up to 6, m up to 40), and the runs are the order's phases."""
+    import random
+
+    rng = random.Random(0)
+    figure = lambda: rng.choice([0, rng.randint(0, 100), rng.randint(0, 10**4)])
+    for _ in range(3000):
+        schedule, devices = rng.choice(["1f1b", "gpipe"]), rng.randint(1, 6)
+        m = rng.randint(devices if schedule == "1f1b" else 1, 40)
+        k = in_flight(schedule, m, devices, rng.randrange(devices))
+        micro = MicroBatch(0.0, figure(), figure(), figure(), figure())
+        state = DeviceState(0, 0, (figure(), figure()), figure(), figure(), 0, (0, 0), rng.random() < 0.5)
+        assert step_peak(micro, schedule, k, m, state) == walked_peak(micro, schedule, k, m, state)
+    order = "FFBFBFBB"  # k = 2, m = 4
+    held = done = 0
+    phases = []
+    for phase in order:
+        held -= phase == "B"
+        phases.append((phase, held, done))
+        held += phase == "F"
+        done += phase == "B"
+    assert expanded(phase_runs(2, 4)) == sorted(phases)
+
+
+def test_a_million_micro_batches_is_as_fast_as_a_few():
+    """The step's peak is found without walking its 2m phases: a million micro-batches partition in about the time
+    of eight, and the device peaks grow only by the m buffers; beyond 2**20 is refused in one line."""
+    import time
+
+    chain = random_chain(10, seed=3, tmp=True, params=True)
+    timings, plans = [], []
+    for m in (8, 10**6):
+        started = time.perf_counter()
+        plans.append(partition(chain, 3, 10**15, m))
+        timings.append(time.perf_counter() - started)
+    assert timings[1] < 3 * timings[0] + 1.0, timings
+    assert simulate_pipeline(chain, plans[1]).peak_bytes == plans[1].predicted.peak_bytes
+    with pytest.raises(MemschedError) as info:
+        partition(chain, 3, 10**15, 2**20 + 1)
+    assert "micro_batches (--micro-batches) must be a whole number from 1 to 1048576" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_one_device_one_micro_batch_is_the_chain_step():
@@ -153,7 +261,10 @@ def test_plan_round_trip_and_prediction(tmp_path):
 
 BAD = [
     (lambda d: d["pipeline"].update(schedule="zb"), "pipeline.schedule must be one of 1f1b, gpipe"),
-    (lambda d: d["pipeline"].update(micro_batches=0), "micro_batches must be at least 1"),
+    (lambda d: d["pipeline"].update(micro_batches=0), "micro_batches must be a whole number from 1 to 1048576"),
+    (lambda d: d["pipeline"].update(micro_batches=2**20 + 1), "micro_batches must be a whole number from 1 to"),
+    (lambda d: d["pipeline"].update(micro_batches=10**400), "got 'about 2**1328'"),
+    (lambda d: d["pipeline"].update(shared=[{"name": "w", "stages": [0, 8], "bytes": 4}]), "pipeline.shared[0].stages"),
     (lambda d: d["pipeline"].update(schedule="1f1b", micro_batches=1), "1F1B needs at least as many micro-batches"),
     (lambda d: d["pipeline"].update(bandwidth=-1), "bandwidth must be bytes per second"),
     (lambda d: d["pipeline"].update(extra=1), "extra"),
@@ -235,3 +346,29 @@ def test_gradients_added_to_a_replay_equal_a_replay_that_makes_them():
     for schedule in (store_all_schedule(5), least_memory_schedule(sub), rotor(sub, budget).schedule):
         added = _with_gradients(ChainSimulator(sub).run(schedule).timeline, sub, gradients)
         assert added == list(ChainSimulator(making).run(schedule).timeline)
+
+
+def test_cli_a_million_micro_batches_partitions_and_shows_at_once(tmp_path, capsys):
+    """``memsched partition --micro-batches 1000000`` and ``memsched show`` of its plan answer at once (the step's
+    phases are not walked one by one); beyond 2**20 micro-batches, in a plan file or on the command line, is one
+    line naming the field."""
+    import cli
+    from planner import save_chain
+
+    save_chain(random_chain(10, seed=3, tmp=True, params=True), tmp_path / "chain.json")
+    plan_path, chain_path = str(tmp_path / "plan.json"), str(tmp_path / "chain.json")
+    assert cli.main(["partition", chain_path, "--devices", "3", "--micro-batches", "1000000", "--device-memory",
+                     "900TiB", "-o", plan_path]) == 0
+    assert "1000000 micro-batches" in capsys.readouterr().out
+    assert cli.main(["show", plan_path, "--chain", chain_path]) == 0
+    assert "simulated" in capsys.readouterr().out
+    assert cli.main(["partition", chain_path, "--devices", "3", "--micro-batches", str(2**20 + 1),
+                     "--device-memory", "900TiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--micro-batches" in err and "from 1 to 1048576" in err and len(err.splitlines()) == 1
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["pipeline"]["micro_batches"] = 10**7
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert cli.main(["show", plan_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pipeline.micro_batches must be a whole number from 1 to 1048576" in err and len(err.splitlines()) == 1

@@ -250,3 +250,18 @@ def test_gpipe_recomputing_devices_equal_single_process():
     assert any(r.recomputes for r in results)
     check_training(results, SPEC16, M * MICRO)
     check_peaks(results)
+
+
+def test_a_cpu_run_of_more_devices_than_processes_it_may_start_is_refused():
+    import os
+
+    from planner.pipeline import run_pipeline
+    from profiles.synthetic import random_chain
+
+    devices = 4 * os.cpu_count() + 1
+    chain = random_chain(devices, seed=1)
+    plan = store_all_split(chain, [(s, s + 1) for s in range(devices)], devices, "1f1b")
+    with pytest.raises(MemschedError) as info:
+        run_pipeline(model_of(SPEC, MICRO), plan, 1, meter=memory_meter)
+    assert str(info.value).startswith(f"the plan has {devices} devices: a CPU run starts one process per device")
+    assert f"at most {devices - 1} here (4 per core)" in str(info.value) and "\n" not in str(info.value)
