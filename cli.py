@@ -92,10 +92,6 @@ def _check_numbers(args) -> None:
     for flag, field in (("--time-limit", "time_limit"), ("--progress-timeout", "progress_timeout")):
         value = getattr(args, field, None)
         if value is not None:
-            if field == "progress_timeout":
-                from planner.pipeline import check_progress_timeout
-
-                check_progress_timeout(value)
             validate.positive_seconds(value, flag)
     if getattr(args, "latency", None) is not None:
         validate.non_negative_seconds(args.latency, "--latency")

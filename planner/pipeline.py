@@ -75,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from planner import validate
 from planner.errors import MemschedError
 from planner.plan import FORWARD_OPS, Plan, Predicted
 from planner.shared import find_shared
@@ -214,10 +215,8 @@ def _cpu_ranks() -> int:
 
 
 def check_progress_timeout(seconds) -> float:
-    """A progress timeout is a finite number of seconds > 0; anything else is refused in one line."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-        raise MemschedError(f"--progress-timeout must be a number of seconds > 0, got {seconds}")
-    return float(seconds)
+    """A progress timeout is a number of seconds above 0 and at most a year; anything else is refused in one line."""
+    return validate.positive_seconds(seconds, "--progress-timeout")
 
 
 def _batch_of(built) -> int:

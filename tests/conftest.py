@@ -1,6 +1,21 @@
-"""Make the tests' own helpers (tests/exhaustive.py) importable."""
+"""Make the tests' own helpers (tests/exhaustive.py) importable; fixtures many test files share."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(params=["default", 1])
+def threads(request):
+    """The machine's default intra-op thread count, then one thread, for one test (restored after): kernels
+    may return other layouts at another count (convolution weight gradients), so a memory-fidelity test runs
+    at both."""
+    import torch  # here, not at the top: tests that check what importing the planner loads run without it
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(default if request.param == "default" else request.param)
+    yield torch.get_num_threads()
+    torch.set_num_threads(default)

@@ -81,13 +81,6 @@ def vit(tmp_path_factory):
     return f"{path}:build"
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 def sizes(chain):
     return (chain.input_bytes, chain.loss.tmp_bytes,

@@ -148,15 +148,6 @@ def small():
     return profiled_models(SMALL)
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    """The machine's default intra-op thread count, then one thread, for one test (restored after): kernels
-    may return other layouts, so other gradient copies, at another count."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 @pytest.fixture(scope="module")
 def fidelity_by_threads():

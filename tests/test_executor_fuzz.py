@@ -177,15 +177,6 @@ def recomputes(plan) -> bool:
 SOLVER_NAMES = tuple(SOLVERS) + tuple(OFFLOAD_SOLVERS)
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    """The machine's default intra-op thread count, then one thread (a layout that changes with the thread
-    count changes what the executor copies)."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 def test_random_chains_every_solver(threads):
     """``CASES`` random chains, each under every solver at a random budget: all equal the plain step."""

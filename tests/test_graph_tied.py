@@ -37,14 +37,6 @@ BUDGET = "80%"  # of the store-all peak: Checkmate's plan recomputes and is save
 TIED = ("embed.tok.weight", "head.lm_head.weight")
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    """The machine's default intra-op thread count, then one thread."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 def build():
     return load_model(SPEC)[0]

@@ -48,14 +48,6 @@ MODELS = {
 MAX_RATIO = 1.15  # peak under the policy over the plan's prediction: measured 1.00-1.13 (see the module docstring)
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    """The machine's default intra-op thread count, then one thread."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 def run_step(model):
     """Seeded forward, loss and backward of the plain eager model; returns the loss."""

@@ -15,13 +15,6 @@ from profiles.training import measure_alternately, measure_steps
 TINY = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64,batch=4"
 
 
-@pytest.fixture(params=["default", 1])
-def threads(request):
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
-
 
 def setup():
     weight = torch.nn.Parameter(torch.ones(8))

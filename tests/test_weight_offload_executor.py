@@ -104,6 +104,20 @@ def models():
     return profiled_models(SPECS)
 
 
+@pytest.fixture(scope="module")
+def models_by_threads(models):
+    """``{thread count: models}``, the default count's the ``models`` fixture, others filled by :func:`threaded`."""
+    return {torch.get_num_threads(): models}
+
+
+@pytest.fixture
+def threaded(models_by_threads, threads):
+    """``models`` profiled at ``threads`` (once per count): a memory-fidelity test runs at both counts."""
+    if threads not in models_by_threads:
+        models_by_threads[threads] = profiled_models(SPECS)
+    return models_by_threads[threads]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
@@ -127,8 +141,8 @@ def snapshot(params) -> list:
 
 @pytest.mark.parametrize("plan_name", PLANS)
 @pytest.mark.parametrize("name", SPECS)
-def test_host_weight_plan_is_the_plain_step_at_the_predicted_peak(models, name, plan_name):
-    original, chain, loss, reference = models[name]
+def test_host_weight_plan_is_the_plain_step_at_the_predicted_peak(threaded, name, plan_name):
+    original, chain, loss, reference = threaded[name]
     model = copy.deepcopy(original)
     schedule = PLANS[plan_name](chain)
     stages = host_weight_stages(schedule)
