@@ -68,6 +68,7 @@ from solvers.rotor import DEFAULT_SLOTS, best_choice, compute_table, discretise,
 from solvers.rotor_model import build_schedule
 
 BATCH = 64  # β values per numpy batch
+MAX_STAGES = 128  # longest chain partitioned: every range is simulated (40 stages ~16 s, 100 stages ~2 min here)
 SLACK = 1e-9  # relative: store-all's time bounds any schedule's from below up to float rounding
 
 
@@ -94,6 +95,10 @@ class PartitionProblem:
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise MemschedError(f"partition: devices must be a whole number >= 1, got {devices!r}")
         check_micro_batches(micro_batches, "partition: micro_batches (--micro-batches)")
+        if chain.length > MAX_STAGES:
+            raise MemschedError(f"partition: chain '{chain.name}' has {chain.length} stages, more than the {MAX_STAGES} "
+                                "it partitions (each of its L(L+1)/2 stage ranges is solved and simulated: 100 stages "
+                                "take about 2 minutes); profile the model in fewer, coarser stages")
         if devices > chain.length:
             raise MemschedError(f"partition: {devices} devices for chain '{chain.name}' of {chain.length} stages; "
                                 "each device needs at least one stage: use at most that many devices")

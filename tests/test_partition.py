@@ -19,7 +19,7 @@ from planner.step_memory import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
-from solvers.partition import PartitionProblem, partition, solve_partition
+from solvers.partition import MAX_STAGES, PartitionProblem, partition, solve_partition
 
 
 def compositions(length, parts):
@@ -328,6 +328,15 @@ def test_1f1b_needs_as_many_micro_batches_as_devices():
         make(chain, 4, 10**12, 3, "1f1b")
     assert "\n" not in str(info.value)
     make(chain, 4, 10**12, 3, "gpipe")  # GPipe takes any count
+
+
+def test_a_chain_too_long_to_partition_is_refused_at_once():
+    """Every stage range is solved and simulated, so the work grows faster than L^2: past MAX_STAGES the answer
+    is one line, before any range is solved, not minutes of work."""
+    chain = random_chain(MAX_STAGES + 1, seed=1)
+    with pytest.raises(MemschedError, match=f"has {MAX_STAGES + 1} stages, more than the {MAX_STAGES}") as info:
+        make(chain, 4, 10**12, 8, "1f1b")
+    assert "\n" not in str(info.value)
 
 
 def test_gradients_added_to_a_replay_equal_a_replay_that_makes_them():
