@@ -19,3 +19,9 @@ def threads(request):
     torch.set_num_threads(default if request.param == "default" else request.param)
     yield torch.get_num_threads()
     torch.set_num_threads(default)
+
+
+@pytest.fixture(scope="module")
+def per_thread_count():
+    """A module's ``{thread count: value}``, for a fixture that profiles once per count of :func:`threads`."""
+    return {}

@@ -149,22 +149,16 @@ def small():
 
 
 
-@pytest.fixture(scope="module")
-def fidelity_by_threads():
-    """``{thread count: {model name: (model, chain)}}``, filled by :func:`fidelity`."""
-    return {}
-
-
 @pytest.fixture
-def fidelity(fidelity_by_threads, threads):
+def fidelity(per_thread_count, threads):
     """``{model name: (model, chain)}`` at the FIDELITY sizes, profiled at ``threads`` (once per count)."""
-    if threads not in fidelity_by_threads:
+    if threads not in per_thread_count:
         built = {}
         for name, spec in FIDELITY.items():
             model, _ = load_model(spec)
             built[name] = (model, profile(model))
-        fidelity_by_threads[threads] = built
-    return fidelity_by_threads[threads]
+        per_thread_count[threads] = built
+    return per_thread_count[threads]
 
 
 # --------------------------------------------------------------------------------------------------

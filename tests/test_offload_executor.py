@@ -31,6 +31,7 @@ CHANNEL = Transfer(d2h_bandwidth=12e9, h2d_bandwidth=12e9, latency=1e-5)
 MODELS = ("mlp", "gpt-tiny", "resnet-tiny")
 # The fidelity sizes of tests/test_executor.py, the mlp shortened (its 32 layers add time, not coverage).
 SPECS = {**FIDELITY, "mlp": "mlp:layers=12"}
+DEFAULT_THREADS = torch.get_num_threads()  # what the ``models`` fixture profiles at
 RATIOS = {}  # (model, plan) -> measured / predicted peak, printed at the end (pytest -s)
 
 
@@ -152,18 +153,12 @@ def models():
     return profiled_models({name: SPECS[name] for name in MODELS})
 
 
-@pytest.fixture(scope="module")
-def models_by_threads(models):
-    """``{thread count: models}``, the default count's the ``models`` fixture, others filled by :func:`threaded`."""
-    return {torch.get_num_threads(): models}
-
-
 @pytest.fixture
-def threaded(models_by_threads, threads):
-    """``models`` profiled at ``threads`` (once per count): a memory-fidelity test runs at both counts."""
-    if threads not in models_by_threads:
-        models_by_threads[threads] = profiled_models({name: SPECS[name] for name in MODELS})
-    return models_by_threads[threads]
+def threaded(models, threads, per_thread_count):
+    """``models`` profiled at ``threads`` (once per count; at the default count, ``models`` itself)."""
+    if threads not in per_thread_count:
+        per_thread_count[threads] = models if threads == DEFAULT_THREADS else profiled_models({name: SPECS[name] for name in MODELS})
+    return per_thread_count[threads]
 
 
 @pytest.fixture(scope="module", autouse=True)

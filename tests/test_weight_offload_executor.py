@@ -27,8 +27,10 @@ from solvers.minimum import minimum_budget
 from test_executor import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
 from test_offload_executor import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
                                    store_all_offloaded, without_transfers)
+from test_offload_executor import unchecked  # noqa: F401 (a fixture: the executor's guards without the check)
 
 SPECS = {"mlp": "mlp:layers=6", "gpt-tiny": SMALL["gpt-tiny"]}
+DEFAULT_THREADS = torch.get_num_threads()  # what the ``models`` fixture profiles at
 RATIOS = {}  # (model, plan) -> measured / predicted peak, printed at the end (pytest -s)
 
 
@@ -104,18 +106,12 @@ def models():
     return profiled_models(SPECS)
 
 
-@pytest.fixture(scope="module")
-def models_by_threads(models):
-    """``{thread count: models}``, the default count's the ``models`` fixture, others filled by :func:`threaded`."""
-    return {torch.get_num_threads(): models}
-
-
 @pytest.fixture
-def threaded(models_by_threads, threads):
-    """``models`` profiled at ``threads`` (once per count): a memory-fidelity test runs at both counts."""
-    if threads not in models_by_threads:
-        models_by_threads[threads] = profiled_models(SPECS)
-    return models_by_threads[threads]
+def threaded(models, threads, per_thread_count):
+    """``models`` profiled at ``threads`` (once per count; at the default count, ``models`` itself)."""
+    if threads not in per_thread_count:
+        per_thread_count[threads] = models if threads == DEFAULT_THREADS else profiled_models(SPECS)
+    return per_thread_count[threads]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -301,13 +297,6 @@ def test_a_plan_without_weight_transfers_keeps_the_parameters_where_they_are(mod
 
 # --------------------------------------------------------------------------------------------------
 # 2. Reading weights on the host fails loudly; invalid transfers and tied weights are refused
-
-
-@pytest.fixture
-def unchecked(monkeypatch):
-    """``apply_plan`` without the schedule check it makes first (planner/simulator.py ``check_schedule``, which
-    refuses these schedules in one line; tests/test_bad_inputs.py): the executor's own guards are what is tested."""
-    monkeypatch.setattr("planner.executor.check_schedule", lambda schedule, length: None)
 
 
 @pytest.mark.parametrize("missing", [Op("F_all", 1), Op("B", 1)])
