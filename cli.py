@@ -13,10 +13,10 @@ import sys
 
 import solvers
 from planner import check_plan_matches, load_chain, load_plan, render, save_chain, save_plan, simulate
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, Graph, save_graph
-from planner.graph_simulator import simulate_graph
+from planner.simulate.graph import simulate_graph
 from planner.jsonio import output_path, read_json
 from planner.plan import check_graph_plan_matches
 from solvers.graph import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
@@ -113,9 +113,9 @@ def _add_channel_arguments(parser, purpose: str) -> None:
 
 
 def _add_setup_arguments(parser, device_memory_only: bool = False) -> None:
-    """``--device-memory`` and the training setup (planner/step_memory.py) that ``--budget auto`` and ``memory``
+    """``--device-memory`` and the training setup (planner/training_setup.py) that ``--budget auto`` and ``memory``
     read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused)."""
-    from planner.step_memory import OPTIMIZERS, PRECISIONS
+    from planner.training_setup import OPTIMIZERS, PRECISIONS
 
     parser.add_argument("--device-memory", metavar="BYTES",
                         help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
@@ -137,8 +137,8 @@ _SETUP_FLAGS = (("--optimizer", "optimizer"), ("--precision", "precision"), ("--
 
 
 def _setup(args):
-    """The :class:`planner.step_memory.TrainingSetup` the arguments give (defaults: adam, fp32, ZeRO 0, 1 rank)."""
-    from planner.step_memory import TrainingSetup
+    """The :class:`planner.training_setup.TrainingSetup` the arguments give (defaults: adam, fp32, ZeRO 0, 1 rank)."""
+    from planner.training_setup import TrainingSetup
 
     given = {field: getattr(args, field, None) for _, field in _SETUP_FLAGS}
     return TrainingSetup(**{field: value for field, value in given.items() if value is not None})
@@ -146,7 +146,7 @@ def _setup(args):
 
 def _auto_budget(args, chain):
     """``(budget, how)`` for ``--budget auto``; ``(None, None)`` for another budget (then refusing the setup flags)."""
-    from planner.step_memory import activation_budget, chain_gradient_bytes, parameters_of
+    from planner.training_setup import activation_budget, chain_gradient_bytes, parameters_of
 
     given = [flag for flag, field in (("--device-memory", "device_memory"),) + _SETUP_FLAGS
              if getattr(args, field, None) is not None]
@@ -455,11 +455,11 @@ def _check_measured_on(args, model, problem) -> None:
 
 
 def _train_pipeline(args, plan, chain) -> None:
-    """``train SPEC --plan pipeline.json``: one process per device (planner/pipeline.py); per rank, the last
+    """``train SPEC --plan pipeline.json``: one process per device (planner/execute/pipeline.py); per rank, the last
     step's measured peak against the plan's device peak minus its resident state."""
     import functools
 
-    from planner.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
+    from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
     from profiles.memory import memory_meter
     from profiles.spec import built_model
 
@@ -500,7 +500,7 @@ def _profile_quietly(model, device):
 def _train_graph(args, model) -> None:
     """``train --graph``: a graph plan (solved here, or ``--plan``) run by the graph executor."""
     from planner.graph import load_graph
-    from planner.graph_executor import GraphExecutor
+    from planner.execute.graph import GraphExecutor
     from profiles.graph_profiler import profile_graph
 
     if args.chain:
@@ -531,7 +531,7 @@ def _train_graph(args, model) -> None:
 
 
 def _named(stages):
-    from planner.stages import named_stages
+    from planner.execute.stages import named_stages
 
     return named_stages(stages)
 
@@ -543,8 +543,8 @@ def _moved(inputs, device):
 
 
 def _train_chain(model, plan, chain, steps, device, lr) -> None:
-    """Train by a chain ``plan`` with :func:`planner.executor.apply_plan`."""
-    from planner.executor import apply_plan
+    """Train by a chain ``plan`` with :func:`planner.execute.chain.apply_plan`."""
+    from planner.execute.chain import apply_plan
     from profiles.training import autograd_step, input_bytes
     from profiles.chain_profiler import default_loss
 
@@ -730,7 +730,7 @@ def _show(args) -> None:
 
 
 def _show_pipeline(args, plan) -> None:
-    from planner.pipeline_simulator import simulate_pipeline
+    from planner.simulate.pipeline import simulate_pipeline
     from planner.plan import check_pipeline_plan_matches
 
     if args.plot:
@@ -811,7 +811,7 @@ def _overhead(chain, budget: int, solver: str, slots, channel=None):
 
 def _memory(args) -> None:
     """``memory SPEC|CHAIN.json``: per-device bytes besides activations, and the step budget a device leaves."""
-    from planner.step_memory import ITEMS, activation_budget, parameters_of
+    from planner.training_setup import ITEMS, activation_budget, parameters_of
 
     setup = _setup(args)
     device_memory = None if args.device_memory is None else parse_budget(args.device_memory, what="--device-memory")
@@ -873,7 +873,7 @@ def _estimated_chain(spec: str, batch, with_chain: bool):
 
 
 def _partition(args) -> None:
-    from planner.pipeline_simulator import simulate_pipeline
+    from planner.simulate.pipeline import simulate_pipeline
     from planner.transfer import parse_bandwidth
     from solvers.partition import partition
 

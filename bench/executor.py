@@ -54,9 +54,9 @@ from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
-from planner.executor import apply_plan  # noqa: E402
-from planner.plan import Op  # noqa: E402
-from planner.simulator import ChainSimulator  # noqa: E402
+from planner.execute.chain import apply_plan  # noqa: E402
+from planner.ops import Op  # noqa: E402
+from planner.simulate.chain import ChainSimulator  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter, storage_bytes  # noqa: E402
 from profiles.spec import load_model  # noqa: E402

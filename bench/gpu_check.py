@@ -51,9 +51,10 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 import torch  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
-from planner.executor import apply_plan  # noqa: E402
-from planner.plan import TRANSFER_OPS, Predicted  # noqa: E402
-from planner.simulator import ChainSimulator, simulate  # noqa: E402
+from planner.execute.chain import apply_plan  # noqa: E402
+from planner.ops import TRANSFER_OPS
+from planner.plan import Predicted  # noqa: E402
+from planner.simulate.chain import ChainSimulator, simulate  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -361,7 +362,7 @@ class Checks:
 
     def _offload_case(self, label, budget, solver, params, transfer):
         """One offload plan solved, run and measured (see :meth:`offload_plans`); None when infeasible."""
-        from planner.offload_executor import live_copies
+        from planner.execute.offload import live_copies
 
         peak = store_all_peak(self.chain)
         started = time.perf_counter()

@@ -56,7 +56,7 @@ def model_graphs(specs, sizes):
 def greedy_row(graph, budget: int, percent: str) -> None:
     """The warm-start heuristic alone (solvers.graph_heuristic.greedy_order), as a table row."""
     from planner.graph import schedule_with_frees
-    from planner.graph_simulator import GraphSimulator
+    from planner.simulate.graph import GraphSimulator
     from solvers.graph_heuristic import greedy_order
 
     started = time.perf_counter()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.chains import bench_chains  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
-from planner.simulator import simulate  # noqa: E402
+from planner.simulate.chain import simulate  # noqa: E402
 from planner.transfer import Transfer  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -104,8 +104,8 @@ def simulated_table(args) -> None:
 def executed_table(args) -> None:
     import torch
 
-    from planner.executor import apply_plan
-    from planner.stages import named_stages
+    from planner.execute.chain import apply_plan
+    from planner.execute.stages import named_stages
     from profiles.chain_profiler import default_loss, profile_chain
     from profiles.memory import memory_meter
     from profiles.spec import load_model

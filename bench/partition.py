@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.chains import bench_chains  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
-from planner.pipeline_simulator import pipeline_time  # noqa: E402
+from planner.simulate.pipeline import pipeline_time  # noqa: E402
 from solvers.partition import PartitionProblem, least_device_memory, min_max_partition, solve_partition  # noqa: E402
 from solvers.sqrt import segment_bounds  # noqa: E402
 

@@ -47,7 +47,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
 from planner.measured_on import MeasuredOn

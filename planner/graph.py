@@ -9,7 +9,7 @@ gradients, the loss) must stay resident until the step ends; ``random``
 nodes draw random numbers, so their first computations keep the index order.
 
 The memory model that judges a schedule (a sequence of ``compute v`` and
-``free v``) is in planner/graph_simulator.py; the file format is
+``free v``) is in planner/simulate/graph.py; the file format is
 ``memsched.graph/1`` (docs/formats.md).
 """
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
-from planner.plan import GraphOp
+from planner.ops import GraphOp
 
 GRAPH_FORMAT = "memsched.graph/1"
 _GRAPH_FIELDS = ("format", "name", "device", "source", "fixed_bytes", "nodes")

@@ -4,7 +4,7 @@ A chain's bytes hold for these tensors only: the same stages on a larger batch, 
 layers, allocate more than the chain says. ``memsched profile`` records them (``measured_on`` of
 ``memsched.chain/1``), the solvers copy them into the plan (``problem.measured_on`` of
 ``memsched.plan/1``), and running a chain or plan on other tensors is refused in one line naming the first
-difference (:func:`planner.executor.apply_plan`, ``memsched train``, :func:`planner.pipeline.run_pipeline`):
+difference (:func:`planner.execute.chain.apply_plan`, ``memsched train``, :func:`planner.execute.pipeline.run_pipeline`):
 
 * ``inputs``: each tensor of the example inputs ``(a_0, *extra)``, labelled by its position (``0`` the
   first stage's input, ``1``... the extra inputs) and, inside a tuple or dict, its path (``0[1]``,
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 
 _TEXT = re.compile(r"([a-z][a-z0-9_]*)\[((?:\d+(?:,\d+)*)?)\]\Z")

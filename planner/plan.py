@@ -22,16 +22,16 @@ live on the host:
   first operation that reads the item waits for the copy to end.
 
 The plan then records the ``transfer`` channel it was solved for
-(planner/offload_simulator.py gives the rules).
+(planner/simulate/offload.py gives the rules).
 
 A plan of kind ``graph`` schedules a graph problem (planner/graph.py) with
 :class:`GraphOp`: ``compute v`` runs node v, ``free v`` releases its value
-(the graph simulator, planner/graph_simulator.py, gives the rules).
+(the graph simulator, planner/simulate/graph.py, gives the rules).
 
 A plan of kind ``pipeline`` runs a chain on several devices (solvers/partition.py): instead of one
 ``schedule`` it has a :class:`Pipeline`, with per device its stage range and its own chain schedule (stage
 indices of the whole chain; on a device other than the last, ``Loss`` is the arrival of the gradient of its
-last output from the next device). The pipeline simulator (planner/pipeline_simulator.py) gives the rules.
+last output from the next device). The pipeline simulator (planner/simulate/pipeline.py) gives the rules.
 
 A plan of a chain that records what it was measured on carries a copy of that record
 (``problem.measured_on``, :class:`planner.measured_on.MeasuredOn`), so that the executors can check the
@@ -41,20 +41,16 @@ model's stages and inputs without the chain.
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from planner import validate
+import planner.validate as validate
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
 from planner.measured_on import MeasuredOn
+from planner.ops import FORWARD_OPS, GRAPH_OPS, ITEMS, OPS, TRANSFER_OPS, GraphOp, Op
 from planner.shared import shared_from_list
 from planner.transfer import Transfer
 
 PLAN_FORMAT = "memsched.plan/1"
-FORWARD_OPS = ("F_all", "F_ck", "F_none")
-TRANSFER_OPS = ("Offload", "Release", "Prefetch")
-ITEMS = ("saved", "input", "weights", "grads")
-OPS = FORWARD_OPS + ("Loss", "B") + TRANSFER_OPS
-GRAPH_OPS = ("compute", "free")
 KINDS = ("chain", "graph", "pipeline")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # Micro-batches of one pipeline step: each is a forward and a backward on every device and a receive buffer on
@@ -64,36 +60,6 @@ _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicte
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
-
-
-class Op(NamedTuple):
-    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``), and for a transfer the
-    item ``what`` in :data:`ITEMS`."""
-
-    kind: str
-    stage: Optional[int] = None
-    what: Optional[str] = None
-
-    def __str__(self) -> str:
-        text = self.kind if self.stage is None else f"{self.kind} {self.stage}"
-        return text if self.what is None else f"{text} {self.what}"
-
-    def to_dict(self) -> dict:
-        out = {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
-        return out if self.what is None else {**out, "what": self.what}
-
-
-class GraphOp(NamedTuple):
-    """One operation of a graph schedule: ``kind`` in :data:`GRAPH_OPS`, on node index ``node``."""
-
-    kind: str
-    node: int
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.node}"
-
-    def to_dict(self) -> dict:
-        return {"op": self.kind, "node": self.node}
 
 
 @dataclass(frozen=True)
@@ -130,7 +96,7 @@ class PipelineDevice:
 class Pipeline:
     """What a pipeline plan runs: the schedule name (``1f1b`` or ``gpipe``), micro-batches per iteration, the
     activation channel between devices (bytes/s, or None for free transfers; seconds of latency), the training
-    setup (planner.step_memory.TrainingSetup's fields), the devices in order, and the chain's shared parameters
+    setup (planner.training_setup.TrainingSetup's fields), the devices in order, and the chain's shared parameters
     (planner/shared.py) the devices' figures count, copied when solving: what the executor checks and sums."""
 
     schedule: str
@@ -277,7 +243,7 @@ def _pipeline_from_dict(raw, where: str) -> Pipeline:
     latency = validate.non_negative_seconds(raw.get("latency", 0.0), f"{where}.latency")
     setup = _object(validate.require(raw, "setup", where), f"{where}.setup")
     try:
-        from planner.step_memory import TrainingSetup
+        from planner.training_setup import TrainingSetup
         TrainingSetup(**setup)
     except TypeError as exc:
         raise MemschedError(f"{where}.setup: {exc}; expected fields optimizer, precision, zero, dp") from None
@@ -440,8 +406,8 @@ def check_graph_plan_matches(plan: Plan, graph, plan_where: str = "plan") -> Non
 def load_plan(path) -> Plan:
     """Read and validate a ``memsched.plan/1`` file, its chain or pipeline schedules included: one that cannot
     run (a backward skipped or repeated, no ``Loss``...) is refused here, before anything runs
-    (:func:`planner.simulator.check_plan_schedules`)."""
-    from planner.simulator import check_plan_schedules  # the simulator reads plans: imported when used
+    (:func:`planner.simulate.chain.check_plan_schedules`)."""
+    from planner.simulate.chain import check_plan_schedules  # the simulator reads plans: imported when used
 
     plan = Plan.from_dict(read_json(path), where=str(path))
     check_plan_schedules(plan, str(path))

@@ -30,7 +30,7 @@ def _save(figure, path) -> None:
 
 
 def plot_timeline(result, budget_bytes: int, path, title: str, categories=None) -> None:
-    """Save a PNG of memory (MiB) against time (seconds) for a :class:`planner.simulator.SimResult`.
+    """Save a PNG of memory (MiB) against time (seconds) for a :class:`planner.simulate.chain.SimResult`.
 
     Each operation is drawn as a step from the memory before it to its peak,
     held for its duration, then down to the memory after it; the area under

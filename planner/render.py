@@ -7,7 +7,7 @@ form (planner.units.format_bytes).
 
 import statistics
 
-from planner.plan import FORWARD_OPS, TRANSFER_OPS
+from planner.ops import FORWARD_OPS, TRANSFER_OPS
 from planner.units import format_bytes
 
 # Categories of operations, with the letter the ASCII timeline uses for each.
@@ -168,7 +168,7 @@ def plan_header(plan) -> list:
 
 
 def pipeline_memory_lines(result) -> list:
-    """Per device of a simulated pipeline (planner.pipeline_simulator.PipelineResult), what its peak is made of
+    """Per device of a simulated pipeline (planner.simulate.pipeline.PipelineResult), what its peak is made of
     (bytes): the resident state (parameters, master copy, optimizer state), the step's buffers (inputs and
     received gradients), the parameter gradients, one micro-batch held between forward and backward, the
     forwards before the first backward, and the step's peak above resident state and buffers."""

@@ -6,7 +6,7 @@ backward runs first and makes the gradient; the earlier stages' backwards add th
 ``bwd_tmp_bytes`` covering the gradient they make before adding it). That is exact on one device. A
 pipeline that puts those stages on different devices gives each device a copy of the parameter, its
 gradient and its optimizer state, and sums the copies' gradients after the backward
-(planner/pipeline_simulator.py counts them, planner/pipeline.py runs it). The chain's optional ``shared``
+(planner/simulate/pipeline.py counts them, planner/execute/pipeline.py runs it). The chain's optional ``shared``
 list records them (``memsched.chain/1``, docs/formats.md):
 
 ``{"name": "embed.tok.weight", "stages": [0, 5], "bytes": 4194304}``: the parameter's name at its first
@@ -19,7 +19,7 @@ not imported here, so the loaders and the solvers stay free of it.
 
 from dataclasses import dataclass
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 
 _FIELDS = ("name", "stages", "bytes")

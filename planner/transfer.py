@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
 
 TRANSFER_FIELDS = ("d2h_bandwidth", "h2d_bandwidth", "latency")

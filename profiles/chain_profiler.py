@@ -46,11 +46,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.executor import _accumulate
-from planner.graph_capture import checked_device, default_loss, quiet_fake_tensor_log  # noqa: F401 (used by the CLI)
+from planner.execute.chain import _accumulate
+from planner.execute.capture import checked_device, default_loss, quiet_fake_tensor_log  # noqa: F401 (used by the CLI)
 from planner.measured_on import measured_on
 from planner.shared import shared_parameters
-from planner.stages import named_stages, preserved_state
+from planner.execute.stages import named_stages, preserved_state
 from profiles.memory import LiveMemoryTracker, memory_meter, storage_bytes, storages
 from profiles.transfer_profiler import measure_transfer
 
@@ -400,7 +400,7 @@ def _backward(outputs, stage_input, module) -> None:
 
     ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
     chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
-    The parameter gradients go into ``.grad`` as the executor puts them (``planner.executor._accumulate``:
+    The parameter gradients go into ``.grad`` as the executor puts them (``planner.execute.chain._accumulate``:
     autograd's layout rule, so a gradient AccumulateGrad would copy is copied here too, at either thread count).
     """
     differentiable = [t for t in outputs if t.requires_grad]

@@ -2,17 +2,17 @@
 
 :func:`profile_graph` captures the *joint* forward+backward graph of one step
 and groups its operations into at most ``nodes`` graph nodes
-(:func:`planner.graph_capture.capture`, whose docstring says what a node, its
+(:func:`planner.execute.capture.capture`, whose docstring says what a node, its
 value, ``fixed_bytes``, ``keep`` and ``random`` are), then measures each group
 by running it.
 
-Why the bytes are exact for :mod:`planner.graph_executor`:
+Why the bytes are exact for :mod:`planner.execute.graph`:
 
 * ``out_bytes`` is what one computation of the node leaves allocated (the
   value's storages), ``tmp_bytes`` the node's peak above that and everything
   resident before it, both measured with the live-memory tracker (CUDA's
   allocator statistics on a GPU) while the node runs exactly as the executor
-  runs it (:class:`planner.graph_capture.StepRun`): operations in graph order,
+  runs it (:class:`planner.execute.capture.StepRun`): operations in graph order,
   each intermediate released after its last use inside the node.
 * ``time``: the median of ``repeats`` timed runs of the node after ``warmup``
   runs of the whole step (wall clock on CPU, CUDA events on a GPU). With
@@ -20,7 +20,7 @@ Why the bytes are exact for :mod:`planner.graph_executor`:
   come from them exactly and times are FLOPs over ``throughput``.
 
 Capturing the same model twice gives the same graph structure (names, deps,
-sizes), so :mod:`planner.graph_executor` can re-capture a model and check that
+sizes), so :mod:`planner.execute.graph` can re-capture a model and check that
 a plan was solved for it.
 """
 
@@ -32,7 +32,7 @@ import torch
 
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode
-from planner.graph_capture import JointGraph, StepRun, capture, preserved_joint_state, quiet_fake_tensor_log
+from planner.execute.capture import JointGraph, StepRun, capture, preserved_joint_state, quiet_fake_tensor_log
 from profiles.chain_profiler import DEFAULT_THROUGHPUT
 from profiles.memory import LiveMemoryTracker, memory_meter
 

@@ -83,7 +83,7 @@ def _as_model(built, name, spec):
         raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) or (stages, example_inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
     stages, example_inputs = built[0], built[1]
-    from planner.stages import named_stages
+    from planner.execute.stages import named_stages
     from profiles.chain_profiler import default_loss
 
     loss_fn = built[2] if len(built) == 3 else default_loss

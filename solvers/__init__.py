@@ -9,7 +9,7 @@ The offload solvers (solvers/offload.py: ``offload``, ``offload_greedy``,
 ``offload_all``, which keep a compute schedule, ``schedule="store_all"|"rotor"``;
 solvers/pofo.py: ``pofo``, recomputation and offloading together) take the copy
 channel (``transfer=``, else the chain's); their plans are replayed by
-:func:`planner.simulator.simulate` over that channel, record it, and are not
+:func:`planner.simulate.chain.simulate` over that channel, record it, and are not
 held to the least memory of recomputation alone (offloading goes below it; an
 infeasible budget is refused by the solver with the least peak it reaches).
 """
@@ -20,7 +20,7 @@ import time
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.plan import Plan, Predicted
-from planner.simulator import ChainSimulator, simulate
+from planner.simulate.chain import ChainSimulator, simulate
 from planner.units import format_bytes
 from solvers.extremes import recompute_all, store_all, store_all_schedule
 from solvers.minimum import minimum_budget

@@ -95,7 +95,7 @@ import numpy as np
 
 from planner.errors import MemschedError
 from planner.graph import Graph, schedule_with_frees
-from planner.graph_simulator import GraphSimulator
+from planner.simulate.graph import GraphSimulator
 from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, run_interruptibly
 
 BACKENDS = ("highs", "cbc")

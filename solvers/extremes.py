@@ -8,7 +8,7 @@
 """
 
 from planner.chain import Chain
-from planner.plan import Op
+from planner.ops import Op
 from solvers.result import Solution
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from planner.errors import MemschedError
 from planner.graph import Graph, store_all_graph_schedule
-from planner.graph_simulator import GraphSimulator
+from planner.simulate.graph import GraphSimulator
 from planner.plan import Plan, Predicted
 from planner.units import format_bytes
 from solvers.limits import Deadline, enough_time

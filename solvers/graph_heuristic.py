@@ -86,7 +86,7 @@ class LevelSchedules:
 
     def measure(self, order):
         """``(peak bytes, position of the peak computation, last-read positions)`` of ``order`` with eager frees,
-        ``fixed_bytes`` included (the memory model of planner/graph_simulator.py)."""
+        ``fixed_bytes`` included (the memory model of planner/simulate/graph.py)."""
         length = len(order)
         last_read = list(range(length))
         made_at = {}

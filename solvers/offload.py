@@ -3,7 +3,7 @@
 The compute schedule (store-all by default, or a Rotor plan's, or any chain
 schedule without transfers) is kept as it is; ``Offload``, ``Release`` and
 ``Prefetch`` operations (planner/plan.py) are inserted so that the offload
-simulator (planner/offload_simulator.py, whose rules this module follows)
+simulator (planner/simulate/offload.py, whose rules this module follows)
 predicts a peak within the budget and the least step time: compute plus
 stalls.
 
@@ -25,7 +25,7 @@ are those released and prefetched.
 **Class.** At each boundary (before a compute operation) the transfers are
 issued in the order offloads, releases, prefetches; the copies run on the two
 FIFO engines of planner/transfer.py. Within that class the CP-SAT model below
-is exact (tests/test_offload_solver.py checks it against an exhaustive search
+is exact (tests/test_solvers_offload.py checks it against an exhaustive search
 on small chains, which also tries every offload boundary and order). Outside
 it: a second window for the same production, a copy started before the read
 that shrinks the item (it would copy the larger bytes), and a prefetch issued
@@ -99,9 +99,9 @@ from typing import NamedTuple, Optional
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.offload_simulator import OffloadSimulator
-from planner.plan import TRANSFER_OPS, Op
-from planner.simulator import ChainSimulator, simulate
+from planner.simulate.offload import OffloadSimulator
+from planner.ops import TRANSFER_OPS, Op
+from planner.simulate.chain import ChainSimulator, simulate
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.limits import Deadline, TimeLimitReached, enough_time, run_interruptibly

@@ -3,10 +3,10 @@
 Input: a chain profile (one micro-batch), ``P`` devices of ``memory`` bytes each, ``m`` micro-batches per
 iteration, the schedule (``1f1b`` or ``gpipe``), the activation channel between neighbouring devices
 (``bandwidth`` bytes/s and ``latency`` s; None: free) and the training setup
-(planner.step_memory.TrainingSetup: optimizer, precision, ZeRO stage, data-parallel ranks). Output: a plan of
+(planner.training_setup.TrainingSetup: optimizer, precision, ZeRO stage, data-parallel ranks). Output: a plan of
 kind ``pipeline`` (planner/plan.py): per device its stages ``[first, last)`` and its own schedule.
 
-**Model** (planner/pipeline_simulator.py states it in full, and predicts every plan). Device ``s`` runs its
+**Model** (planner/simulate/pipeline.py states it in full, and predicts every plan). Device ``s`` runs its
 stages as a standalone sub-chain (input: the activation it receives; loss: the chain's on the last device, else
 the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its schedule's
 compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
@@ -56,11 +56,11 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.pipeline_simulator import (PIPELINE_SCHEDULES, device_peak, device_result, device_state, in_flight,
+from planner.simulate.pipeline import (PIPELINE_SCHEDULES, device_peak, device_result, device_state, in_flight,
                                         micro_batch, pipeline_time, sends, sub_chain, sync_seconds, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted, check_micro_batches
-from planner.simulator import ChainSimulator
-from planner.step_memory import TrainingSetup
+from planner.simulate.chain import ChainSimulator
+from planner.training_setup import TrainingSetup
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
 from solvers.minimum import least_memory_schedule, minimum_budget

@@ -52,8 +52,8 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import TRANSFER_OPS, Op
-from planner.simulator import ChainSimulator, simulate
+from planner.ops import TRANSFER_OPS, Op
+from planner.simulate.chain import ChainSimulator, simulate
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule

@@ -19,8 +19,8 @@ import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import Op
-from planner.simulator import ChainSimulator
+from planner.ops import Op
+from planner.simulate.chain import ChainSimulator
 from solvers.result import Solution
 
 

@@ -14,7 +14,7 @@ parameter gradients of stages after ``e``. Two choices at ``i``:
   ``m − x_j``, then ``i..j−1`` in ``m`` minus the parameter gradients of ``j..e``.
 
 Each forward's peak is checked where it happens, so every schedule found fits
-the simulator's model (planner.simulator) in bytes; the exhaustive searches in
+the simulator's model (planner.simulate.chain) in bytes; the exhaustive searches in
 the tests confirm nothing faster exists. Memory is discretised as in the
 published implementation: ``unit = budget // slots``, sizes rounded up (the
 parameter gradients as the suffixes they are held in, so that they lose at most
@@ -51,8 +51,8 @@ import numpy as np
 
 from planner.chain import Chain, Stage
 from planner.errors import MemschedError
-from planner.plan import Op
-from planner.simulator import ChainSimulator
+from planner.ops import Op
+from planner.simulate.chain import ChainSimulator
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
 from solvers.limits import fill_by_spans

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner import validate
+import planner.validate as validate
 from planner.chain import Chain
-from planner.plan import Op
+from planner.ops import Op
 
 CHAIN = 0  # choice code: F_all i then the rest; a positive code j is a leaf (advance to a_j); -1 none
 

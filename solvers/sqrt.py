@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from planner.chain import Chain
-from planner.plan import Op
-from planner.simulator import ChainSimulator
+from planner.ops import Op
+from planner.simulate.chain import ChainSimulator
 from planner.errors import MemschedError
 from solvers.result import Solution
 

@@ -1,7 +1,7 @@
 """Weight offload: stages whose parameters live on the host, brought in around each of their operations.
 
 The ZeRO-Offload / FSDP CPU-offload pattern, in the offload simulator's model
-(planner/offload_simulator.py): a *host-weight stage*'s parameters
+(planner/simulate/offload.py): a *host-weight stage*'s parameters
 (``param_bytes``) wait on the host; each run of consecutive compute operations
 of the stage (its forward, a recomputation, its backward) is preceded by
 ``Prefetch i weights`` issued one compute operation earlier (the copy overlaps
@@ -21,7 +21,7 @@ optimal.
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import TRANSFER_OPS, Op
+from planner.ops import TRANSFER_OPS, Op
 
 def host_weight_stages(chain: Chain, weights) -> tuple:
     """Stage indices from ``weights``: ``"all"`` (every stage with parameters), or indices as a list or a

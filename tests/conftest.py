@@ -1,4 +1,4 @@
-"""Make the tests' own helpers (tests/exhaustive.py) importable; fixtures many test files share."""
+"""Fixtures many test files share; the independent oracles live in tests/oracles/ (importable as `oracles.*`)."""
 
 import sys
 from pathlib import Path

@@ -21,8 +21,8 @@ import cli
 import solvers
 from planner import Chain, MemschedError, simulate
 from planner.graph import Graph
-from planner.plan import Op
-from planner.simulator import ScheduleError, check_plan_schedules, check_schedule
+from planner.ops import Op
+from planner.simulate.chain import ScheduleError, check_plan_schedules, check_schedule
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.graph import solve_graph

@@ -13,7 +13,7 @@ import pytest
 import cli
 import solvers
 from planner import load_chain, load_plan, save_chain, simulate
-from planner.plan import Op
+from planner.ops import Op
 from planner.render import compact_schedule
 from planner.units import parse_budget
 from profiles.synthetic import random_chain

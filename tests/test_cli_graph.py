@@ -6,7 +6,7 @@ import pytest
 
 import cli
 from planner.graph import load_graph, save_graph
-from planner.graph_simulator import simulate_graph
+from planner.simulate.graph import simulate_graph
 from planner.plan import load_plan
 from planner import save_chain
 from profiles.synthetic import random_chain, random_graph

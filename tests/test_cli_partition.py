@@ -4,7 +4,7 @@ from pathlib import Path
 
 import cli
 from planner import load_chain, load_plan
-from planner.pipeline_simulator import simulate_pipeline
+from planner.simulate.pipeline import simulate_pipeline
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "example-L24.chain.json"
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from planner import MemschedError
-from planner.executor import apply_plan
+from planner.execute.chain import apply_plan
 from planner.transfer import Transfer
 from profiles.chain_profiler import profile_chain
 from profiles.memory import LiveMemoryTracker, storage_bytes

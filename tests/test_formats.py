@@ -16,7 +16,7 @@ import planner.jsonio
 import solvers
 from planner import Chain, Loss, MemschedError, Plan, check_plan_matches, load_chain, load_plan, save_chain
 from planner import save_plan, simulate
-from planner.plan import Op
+from planner.ops import Op
 from planner.units import format_bytes, parse_budget
 from profiles.synthetic import random_chain
 from solvers.minimum import minimum_budget

@@ -11,7 +11,7 @@ bytes though its lower bound is 138, and none with two computations per node at 
 import pytest
 
 import cli
-from graph_brute import fastest_time, least_peak
+from oracles.graph_brute import fastest_time, least_peak
 from planner.errors import MemschedError
 from planner.graph import save_graph
 from profiles.synthetic import random_graph

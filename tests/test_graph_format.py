@@ -7,8 +7,9 @@ import pytest
 
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode, load_graph, save_graph, schedule_with_frees, store_all_graph_schedule
-from planner.graph_simulator import GraphSimulator, simulate_graph
-from planner.plan import GraphOp, Plan, check_graph_plan_matches, check_plan_matches, load_plan, save_plan
+from planner.simulate.graph import GraphSimulator, simulate_graph
+from planner.ops import GraphOp
+from planner.plan import Plan, check_graph_plan_matches, check_plan_matches, load_plan, save_plan
 from profiles.synthetic import random_chain, random_graph
 from solvers import solve
 from solvers.graph import solve_graph, store_all_graph_peak

@@ -1,6 +1,6 @@
 """The graph profiler (profiles/graph_profiler.py): a valid, deterministic graph whose sizes are exact.
 
-Exactness against a real step is checked in tests/test_graph_executor.py (the executor's memory after
+Exactness against a real step is checked in tests/test_execute_graph.py (the executor's memory after
 every operation is the simulator's); here: the graph's structure, determinism, estimates equal to
 measurements, the node target, and one-line errors.
 """

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
-from graph_brute import fastest_time, least_peak
+from oracles.graph_brute import fastest_time, least_peak
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode, schedule_with_frees, store_all_graph_schedule
-from planner.graph_simulator import GraphSimulator
+from planner.simulate.graph import GraphSimulator
 from profiles.synthetic import random_graph
 from solvers.checkmate import CheckmateModel, checkmate, checkmate_lp
 from solvers.checkmate import least_peak as checkmate_least_peak

@@ -6,7 +6,7 @@ CLI as a ``path/to/file.py:build`` SPEC. Its graph is profiled and solved once t
 every run), then run by the graph executor, by ``memsched train --graph`` and under the selective-checkpoint
 policy, at the default thread count and at one thread, each against the plain eager step.
 
-Memory is counted as in tests/test_graph_executor.py: the tracker counts what the step allocates (gradients
+Memory is counted as in tests/test_execute_graph.py: the tracker counts what the step allocates (gradients
 ``None`` before), and the parameters, buffers, inputs and targets are the graph's ``fixed_bytes``.
 """
 
@@ -19,9 +19,9 @@ from torch.testing import assert_close
 
 import cli
 from planner.graph import load_graph
-from planner.graph_executor import GraphExecutor
+from planner.execute.graph import GraphExecutor
 from planner.plan import load_plan
-from planner.selective import checkpointed_model, is_save_plan, selective_policy
+from planner.execute.selective import checkpointed_model, is_save_plan, selective_policy
 from profiles.graph_profiler import profile_graph
 from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
@@ -29,7 +29,7 @@ from profiles.spec import load_model
 from solvers.graph import solve_graph, store_all_graph_peak
 from test_cli_graph_train import measured_ratios
 from test_cli_train import run
-from test_selective import MAX_RATIO
+from test_execute_selective import MAX_RATIO
 
 SPEC = str(Path(__file__).parent / "fixtures" / "tied_lm.py") + ":build"
 NODES = 30
@@ -141,7 +141,7 @@ def policy(solved):
 
 def test_selective_policy_runs_the_plain_step(solved, policy, threads):
     """At the policy's own predicted peak; it is not the plan's (``checkpoint`` keeps each stage's input, and the
-    head's output, the logits, is the loss region's: tests/test_selective.py)."""
+    head's output, the logits, is the loss region's: tests/test_execute_selective.py)."""
     _, _, graph, plan = solved
     model, selective, wrapped = policy
     clear_grads(model)

@@ -14,7 +14,7 @@ from torch import nn
 
 import cli
 from planner import Chain, MemschedError, load_chain, load_plan, save_chain, save_plan
-from planner.executor import apply_plan
+from planner.execute.chain import apply_plan
 from planner.measured_on import MeasuredOn, TensorSpec
 from planner.plan import Plan
 from profiles.chain_profiler import profile_chain
@@ -259,7 +259,7 @@ def test_the_input_is_checked_at_the_first_call_with_gradients(mlp):
 
 
 def test_run_pipeline_refuses_another_micro_batch_before_starting(mlp):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
     from profiles.memory import memory_meter
     from profiles.spec import built_model
     from solvers.partition import partition
@@ -331,7 +331,8 @@ def test_a_matching_plan_runs_and_peaks_as_predicted(gpt, threads):
 
 
 def test_a_graph_plan_is_refused_by_the_chain_executor(mlp, capsys, tmp_path):
-    from planner.plan import GraphOp, Predicted
+    from planner.ops import GraphOp
+    from planner.plan import Predicted
 
     stages, _, _, _ = mlp
     graph_plan = Plan(problem_name="g", fingerprint="sha256:0", solver="checkmate", budget_bytes=1,

@@ -1,5 +1,5 @@
 """Pipeline partitioning (solvers/partition.py): the DP against brute force, infeasibility, and plans of kind
-``pipeline`` (JSON round trip, strict validation, re-prediction by planner/pipeline_simulator.py)."""
+``pipeline`` (JSON round trip, strict validation, re-prediction by planner/simulate/pipeline.py)."""
 
 import copy
 import dataclasses
@@ -7,15 +7,15 @@ import itertools
 import json
 
 import pytest
-from pipeline_plans import store_all_split
+from oracles.pipeline_plans import store_all_split
 
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.pipeline_simulator import (DeviceState, MicroBatch, in_flight, phase_runs, pipeline_time, retained,
+from planner.simulate.pipeline import (DeviceState, MicroBatch, in_flight, phase_runs, pipeline_time, retained,
                                         simulate_pipeline, step_peak, sub_chain)
 from planner.plan import Plan
-from planner.simulator import ChainSimulator
-from planner.step_memory import TrainingSetup, setup_chain
+from planner.simulate.chain import ChainSimulator
+from planner.training_setup import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
@@ -101,7 +101,7 @@ def test_dp_with_shared_parameters_equals_brute_force(length, devices, seed):
     chain's shared parameters and re-predicts exactly."""
     chain = tied_chain(length, seed)
     untied = dataclasses.replace(chain, shared=())
-    from planner.pipeline_simulator import copies
+    from planner.simulate.pipeline import copies
 
     synced = 0
     for schedule, micro, bandwidth in [("1f1b", 2 * devices, 2e8), ("gpipe", devices, None)]:
@@ -342,7 +342,7 @@ def test_a_chain_too_long_to_partition_is_refused_at_once():
 def test_gradients_added_to_a_replay_equal_a_replay_that_makes_them():
     """The pipeline simulator replays a device's sub-chain once and adds the parameter gradients each ``B``
     makes: the same steps as replaying the sub-chain with those gradients as its ``param_bytes``."""
-    from planner.pipeline_simulator import _with_gradients
+    from planner.simulate.pipeline import _with_gradients
     from solvers.minimum import least_memory_schedule
     from solvers.rotor import rotor
 

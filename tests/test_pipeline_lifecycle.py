@@ -1,8 +1,8 @@
-"""The pipeline ranks' lifecycle (planner/pipeline.py): they die with their parent (even a ``kill -9`` of it),
+"""The pipeline ranks' lifecycle (planner/execute/pipeline.py): they die with their parent (even a ``kill -9`` of it),
 a run is stopped when it makes no progress (``--progress-timeout``: no step finished for that long), not after
 a fixed time, and the rank that failed first is named, not the one that lost its connection to it.
 
-Each run spawns 2 gloo processes (5-15 s here); the models and plans are tests/test_pipeline.py's.
+Each run spawns 2 gloo processes (5-15 s here); the models and plans are tests/test_execute_pipeline.py's.
 """
 
 import functools
@@ -21,9 +21,9 @@ import torch
 
 import cli
 from planner import MemschedError, save_plan
-from planner.pipeline import _first_failure, _Rank, run_pipeline
+from planner.execute.pipeline import _first_failure, _Rank, run_pipeline
 from profiles.memory import memory_meter
-from test_pipeline import M, MICRO, SPEC, chain, mlp_ending_with, plan_for, pytestmark  # noqa: F401 (fixture, mark)
+from test_execute_pipeline import M, MICRO, SPEC, chain, mlp_ending_with, plan_for, pytestmark  # noqa: F401 (fixture, mark)
 
 TESTS = Path(__file__).resolve().parent
 HERE = Path(__file__).resolve()
@@ -114,7 +114,7 @@ def test_ranks_die_with_their_parent_killed_by_sigkill(plan_path, tmp_path):
     mark = tmp_path / "training"
     script = (f"import functools, sys\nsys.path.insert(0, {str(TESTS)!r})\n"
               "import test_pipeline_lifecycle as t\n"
-              "from planner import load_plan\nfrom planner.pipeline import run_pipeline\n"
+              "from planner import load_plan\nfrom planner.execute.pipeline import run_pipeline\n"
               "from profiles.memory import memory_meter\n"
               f"run_pipeline(functools.partial(t.slow_model, 0.05, {str(mark)!r}), load_plan({str(plan_path)!r}), "
               "100000, meter=memory_meter)\n")
@@ -145,7 +145,7 @@ def test_ranks_die_with_their_parent_killed_by_sigkill(plan_path, tmp_path):
 
 def test_a_rank_whose_parent_died_while_it_started_exits():
     """The parent may die before the rank arms its death signal (while it imports): it is then not its parent."""
-    done = subprocess.run([sys.executable, "-c", "from planner.pipeline import _die_with_parent\n"
+    done = subprocess.run([sys.executable, "-c", "from planner.execute.pipeline import _die_with_parent\n"
                            "_die_with_parent(1)  # not this process's parent (pytest is)\nprint('survived')"],
                           cwd=TESTS.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "survived" not in done.stdout, done.stderr

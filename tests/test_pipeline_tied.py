@@ -20,10 +20,10 @@ import torch
 
 from planner import MemschedError
 from planner.chain import Chain, load_chain, save_chain
-from planner.pipeline_simulator import device_state, simulate_pipeline, transfer_seconds
+from planner.simulate.pipeline import device_state, simulate_pipeline, transfer_seconds
 from planner.shared import SharedParameter
-from planner.step_memory import TrainingSetup
-from pipeline_plans import store_all_split
+from planner.training_setup import TrainingSetup
+from oracles.pipeline_plans import store_all_split
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model
@@ -129,7 +129,7 @@ def untied_lm(batch):
 
 
 def test_a_plan_that_does_not_count_the_copy_is_refused_in_one_line(chain):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     untied = dataclasses.replace(chain, shared=())
     with pytest.raises(MemschedError) as info:
@@ -144,7 +144,7 @@ def test_a_plan_that_does_not_count_the_copy_is_refused_in_one_line(chain):
         run_pipeline(functools.partial(untied_lm, M * MICRO), store_all_split(chain, SPLIT, M, "1f1b"), 1,
                      meter=memory_meter)
     # On one device nothing is copied, so a plan of the untied chain that keeps both readers together is fine.
-    from planner.pipeline import synced_parameters
+    from planner.execute.pipeline import synced_parameters
 
     assert synced_parameters(tied_lm(M * MICRO), store_all_split(untied, [(0, 4)], M, "1f1b")) == []
     assert [entry for entry, _, _ in synced_parameters(tied_lm(M * MICRO), store_all_split(chain, SPLIT, M, "1f1b"))] \
@@ -179,7 +179,7 @@ def single_process(steps, lr):
 
 
 def test_tied_weight_across_devices_trains_as_one_process(chain):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     plan = store_all_split(chain, SPLIT, M, "1f1b")
     results = run_pipeline(functools.partial(tied_lm, M * MICRO), plan, 2, meter=memory_meter, lr=1e-2,

@@ -14,8 +14,8 @@ import pytest
 
 from planner.chain import Chain, Loss, Stage, load_chain
 from planner.errors import MemschedError
-from planner.plan import Op
-from planner.simulator import ScheduleError, simulate
+from planner.ops import Op
+from planner.simulate.chain import ScheduleError, simulate
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule

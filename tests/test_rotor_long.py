@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from planner import ChainSimulator, MemschedError, simulate
-from planner.plan import Op
+from planner.ops import Op
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak
 from solvers.minimum import least_memory_schedule, minimum_budget

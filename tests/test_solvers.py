@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exhaustive import fastest_time, least_peak
+from oracles.exhaustive import fastest_time, least_peak
 from planner import ChainSimulator, MemschedError, simulate
 from profiles.synthetic import random_chain
 from solvers import SOLVERS, choose_solver, solve, store_all_peak

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from planner.executor import _accumulate, apply_plan
-from planner.graph_executor import GraphExecutor
+from planner.execute.chain import _accumulate, apply_plan
+from planner.execute.graph import GraphExecutor
 from profiles.chain_profiler import profile_chain
 from profiles.graph_profiler import profile_graph
 from profiles.memory import LiveMemoryTracker, storage_bytes

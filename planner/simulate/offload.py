@@ -1,6 +1,6 @@
 """The offload simulator: a chain schedule with transfers over the copy channel, on two timelines.
 
-Compute runs one operation at a time, as in :mod:`planner.simulator`, whose
+Compute runs one operation at a time, as in :mod:`planner.simulate.chain`, whose
 memory rules it keeps. Beside it run the two copy engines of
 :class:`planner.transfer.Transfer` (device-to-host, host-to-device), each one
 transfer at a time in issue order. An *item* is ``saved i`` (``ā_{i+1}``, what
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from planner.chain import Chain
-from planner.plan import TRANSFER_OPS, Op
-from planner.simulator import ChainSimulator, ScheduleError, SimResult, State, replay
+from planner.ops import TRANSFER_OPS, Op
+from planner.simulate.chain import ChainSimulator, ScheduleError, SimResult, State, replay
 from planner.transfer import Transfer
 
 COPYING, ON_HOST, LOADING = "copying", "on host", "loading"

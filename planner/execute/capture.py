@@ -6,8 +6,8 @@ and the parameter gradients included) and groups its operations into at most
 ``nodes`` groups, the nodes of a ``memsched.graph/1`` problem.
 :class:`StepRun` runs those groups one at a time. The graph profiler
 (profiles/graph_profiler.py) measures each group with it; the graph executor
-(planner/graph_executor.py) and the selective-checkpoint policy
-(planner/selective.py) re-capture the model and check that it is the graph a
+(planner/execute/graph.py) and the selective-checkpoint policy
+(planner/execute/selective.py) re-capture the model and check that it is the graph a
 plan was solved for. Nothing here measures or times anything.
 
 What a group (graph node) is:
@@ -59,7 +59,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from planner.errors import MemschedError
-from planner.stages import named_stages, preserved_state
+from planner.execute.stages import named_stages, preserved_state
 
 
 def default_loss(output):

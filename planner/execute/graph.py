@@ -1,7 +1,7 @@
 """The graph executor: runs a graph plan's schedule in a real training step, exactly, and nothing else.
 
 ``GraphExecutor(model, plan, graph)`` re-captures the model's joint
-forward+backward graph (planner/graph_capture.py, grouped into the same nodes
+forward+backward graph (planner/execute/capture.py, grouped into the same nodes
 the profile measured), checks that it is the graph the plan was solved for, and
 ``step(*inputs)`` runs one training step by the plan:
 
@@ -13,7 +13,7 @@ the profile measured), checks that it is the graph the plan was solved for, and
   environment survives a node, autograd records nothing), so the memory is
   released there, as the graph simulator assumes.
 
-Hence the memory the step allocates follows planner/graph_simulator.py: what is
+Hence the memory the step allocates follows planner/simulate/graph.py: what is
 resident is ``fixed_bytes`` (parameters, buffers, inputs, targets: already
 allocated) plus the values held, and a node needs its ``tmp_bytes`` on top
 while it runs, both measured by running the node exactly this way.
@@ -34,10 +34,10 @@ This module does not import the solvers: plans come in, steps go out.
 import torch
 
 from planner.errors import MemschedError
-from planner.executor import _accumulate, _rng_state, _set_rng_state
+from planner.execute.chain import _accumulate, _rng_state, _set_rng_state
 from planner.graph import Graph
-from planner.graph_capture import StepRun, capture
-from planner.graph_simulator import simulate_graph
+from planner.execute.capture import StepRun, capture
+from planner.simulate.graph import simulate_graph
 from planner.plan import Plan
 
 

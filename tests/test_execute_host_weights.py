@@ -1,4 +1,4 @@
-"""Host-weight stages in the offload executor (planner/offload_executor.py): ``weights i`` and ``grads i``.
+"""Host-weight stages in the offload executor (planner/execute/offload.py): ``weights i`` and ``grads i``.
 
 A plan that moves ``weights i`` keeps stage i's parameters on the host between steps (ZeRO-Offload / FSDP CPU
 offload): ``Prefetch i weights`` makes a device copy before the stage computes, ``Release i weights`` drops it,
@@ -19,15 +19,15 @@ from torch import nn
 from torch.testing import assert_close
 
 from planner import MemschedError, Op, simulate
-from planner.executor import apply_plan
-from planner.offload_executor import fused_positions, host_weight_stages, live_copies
-from planner.plan import TRANSFER_OPS
+from planner.execute.chain import apply_plan
+from planner.execute.offload import fused_positions, host_weight_stages, live_copies
+from planner.ops import TRANSFER_OPS
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
-from test_executor import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
-from test_offload_executor import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
+from test_execute_chain import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
+from test_execute_offload import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
                                    store_all_offloaded, without_transfers)
-from test_offload_executor import unchecked  # noqa: F401 (a fixture: the executor's guards without the check)
+from test_execute_offload import unchecked  # noqa: F401 (a fixture: the executor's guards without the check)
 
 SPECS = {"mlp": "mlp:layers=6", "gpt-tiny": SMALL["gpt-tiny"]}
 DEFAULT_THREADS = torch.get_num_threads()  # what the ``models`` fixture profiles at
@@ -372,7 +372,7 @@ def test_tied_weights_cannot_be_host_weights(models):
 
 def test_no_fusion_with_a_host_weight_stage():
     # Store-all on 4 stages, every saved item prefetched after the loss, fuses into one graph (see
-    # tests/test_offload_executor.py); with stage 0's weights on the host (prefetched right before its
+    # tests/test_execute_offload.py); with stage 0's weights on the host (prefetched right before its
     # operations), stage 0 runs alone and stages 1..3 still fuse.
     schedule = with_host_weights(store_all_offloaded(4, prefetch_ahead=True), {0}, ahead=0)
     continued, absorbed, _ = fused_positions(schedule)

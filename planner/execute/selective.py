@@ -104,11 +104,11 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.errors import MemschedError
-from planner.stages import named_stages
+from planner.execute.stages import named_stages
 from planner.graph import Graph, schedule_with_frees
-from planner.graph_capture import _fake, capture, default_loss, preserved_joint_state
-from planner.graph_executor import _check_same_graph
-from planner.graph_simulator import GraphSimulator, simulate_graph
+from planner.execute.capture import _fake, capture, default_loss, preserved_joint_state
+from planner.execute.graph import _check_same_graph
+from planner.simulate.graph import GraphSimulator, simulate_graph
 from planner.plan import Plan, Predicted
 from profiles.memory import LiveMemoryTracker
 
@@ -297,7 +297,7 @@ def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_
     problem = save_plan_problem(plan, graph)
     if problem is not None:
         raise MemschedError(f"plan for graph '{graph.name}' is not save-only ({problem}), so no selective-checkpoint "
-                            "policy can run it; run it with the graph executor (planner.graph_executor.GraphExecutor, "
+                            "policy can run it; run it with the graph executor (planner.execute.graph.GraphExecutor, "
                             "memsched train SPEC --graph)")
     stages, example_inputs, loss_fn = _parts(model, example_inputs, loss_fn)
     joint = capture(stages, example_inputs, loss_fn, nodes=graph.size)

@@ -2,10 +2,11 @@
 
 import pytest
 
-from offload_brute import all_results, best_time
+from oracles.offload_brute import all_results, best_time
 from planner.errors import MemschedError
-from planner.plan import TRANSFER_OPS, Plan
-from planner.simulator import simulate
+from planner.ops import TRANSFER_OPS
+from planner.plan import Plan
+from planner.simulate.chain import simulate
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak

@@ -1,4 +1,4 @@
-"""The executor (planner/executor.py): a planned step is the plain step, exactly, within the memory predicted.
+"""The executor (planner/execute/chain.py): a planned step is the plain step, exactly, within the memory predicted.
 
 Every check compares a planned step (``loss_fn(apply_plan(stages, plan, chain)(*inputs)).backward()``) with
 the unmodified model run as ``loss_fn(stages in order)``, the random number generator seeded identically
@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner import MemschedError, Op, Plan, Predicted, load_plan, save_plan, simulate
-from planner.executor import apply_plan
+from planner.execute.chain import apply_plan
 from profiles.chain_profiler import profile_chain
 from profiles.memory import LiveMemoryTracker, storage_bytes
 from profiles.spec import load_model
@@ -741,7 +741,7 @@ def test_stage_names_other_than_the_chains_are_refused(small):
 
 
 def test_the_store_all_schedule_runs_as_one_graph():
-    from planner.executor import _fused_positions
+    from planner.execute.chain import _fused_positions
     from solvers.extremes import store_all_schedule
 
     schedule = store_all_schedule(4)  # F_all 0..3, Loss, B 3..0
@@ -751,7 +751,7 @@ def test_the_store_all_schedule_runs_as_one_graph():
 
 
 def test_fusion_stops_where_the_backwards_are_not_consecutive_or_a_stage_is_recomputed():
-    from planner.executor import _fused_positions
+    from planner.execute.chain import _fused_positions
 
     schedule = (Op("F_ck", 0), Op("F_all", 1), Op("F_all", 2), Op("Loss"), Op("B", 2), Op("B", 1),
                 Op("F_all", 0), Op("B", 0))

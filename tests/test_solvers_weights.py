@@ -6,13 +6,13 @@ import cli
 import solvers
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.plan import Op
-from planner.simulator import ScheduleError, simulate
+from planner.ops import Op
+from planner.simulate.chain import ScheduleError, simulate
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 from solvers.weights import host_weight_stages, place_weight_transfers, weight_reserve
-from test_offload_simulator import ops
+from test_simulate_offload import ops
 
 CHANNEL = Transfer(d2h_bandwidth=100.0, h2d_bandwidth=50.0, latency=0.0)  # 100 B of weights: 2 s in, 1 s out
 

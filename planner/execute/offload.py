@@ -4,7 +4,7 @@ An offload plan (planner/plan.py) adds ``Offload``, ``Release`` and ``Prefetch``
 of *items* to a chain schedule: ``saved i`` is ``ā_{i+1}``, everything ``F_all
 i`` keeps for its backward, its output ``a_{i+1}`` included; ``input i`` is
 ``a_i`` held on its own (made by ``F_ck`` / ``F_none`` i-1), i >= 1. The chain
-executor (planner/executor.py) runs such a plan with :class:`OffloadRun`, and
+executor (planner/execute/chain.py) runs such a plan with :class:`OffloadRun`, and
 only such a plan: without transfer operations no hook is installed and nothing
 here runs.
 
@@ -113,7 +113,7 @@ for every gradient copy before ``.grad`` is set, so the optimizer reads
 finished data.
 
 **Fusion.** Consecutive ``F_all`` / ``B`` of neighbouring stages run as one
-autograd graph (planner/executor.py, ``_fused_positions``), computed here on
+autograd graph (planner/execute/chain.py, ``_fused_positions``), computed here on
 the schedule without its transfers. The fused forward runs every stage at its
 own position, on the tensor the previous stage returned, held meanwhile; the
 fused backward runs the backwards of all the graph's stages at the first
@@ -142,8 +142,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.errors import MemschedError
-from planner.executor import _any_requires_grad, _fused_positions, _Graph, _leaf, _Run
-from planner.plan import TRANSFER_OPS, Op
+from planner.execute.chain import _any_requires_grad, _fused_positions, _Graph, _leaf, _Run
+from planner.ops import TRANSFER_OPS, Op
 
 ON_DEVICE, COPYING, ON_HOST = "on the device", "being offloaded", "on the host"
 
@@ -655,7 +655,7 @@ def _go_back(parameter) -> None:
 def fused_positions(schedule) -> tuple:
     """``(continued, absorbed, kept)`` for a schedule with transfers (see "Fusion" in the module docstring).
 
-    ``continued`` and ``absorbed`` are as for :func:`planner.executor._fused_positions`, in positions of the
+    ``continued`` and ``absorbed`` are as for :func:`planner.execute.chain._fused_positions`, in positions of the
     whole schedule; ``kept`` holds the positions of the ``F_all`` whose output object the next operation
     continues on.
     """
@@ -692,7 +692,7 @@ def fused_positions(schedule) -> tuple:
 
 
 class OffloadRun(_Run):
-    """One step of a plan with transfers: :class:`planner.executor._Run` with activations held in boxes."""
+    """One step of a plan with transfers: :class:`planner.execute.chain._Run` with activations held in boxes."""
 
     def __init__(self, planned, first, extra):
         super().__init__(planned, first, extra)

@@ -6,7 +6,7 @@ stage's output with a ``grad_fn``; the caller computes the loss and calls
 ``backward()``, which runs the rest of the schedule (recomputations and
 backwards) inside one custom ``autograd.Function``, in the plan's order.
 
-What is held follows the simulator's model (planner/simulator.py):
+What is held follows the simulator's model (planner/simulate/chain.py):
 
 * ``F_all i`` runs stage i under autograd on a fresh leaf sharing ``a_i``'s
   storage and keeps its graph (``ā_{i+1}``); its output ``a_{i+1}`` is kept
@@ -28,7 +28,7 @@ gradient as a plain backward does); the per-stage bookkeeping is saved, so the
 store-all plan runs as the plain step does.
 
 Plans with transfers (offload plans: ``Offload`` / ``Release`` / ``Prefetch``
-of ``saved i`` and ``input i``) run through planner/offload_executor.py, whose
+of ``saved i`` and ``input i``) run through planner/execute/offload.py, whose
 docstring gives the semantics: every tensor ``F_all`` saves and every
 activation the executor holds lives in the box of its item (saved-tensor
 hooks; parameters, buffers and the caller's inputs excepted), ``Release``
@@ -71,9 +71,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import MemschedError
 from planner.measured_on import record_of
-from planner.stages import named_stages
-from planner.plan import FORWARD_OPS, Op, Plan, check_plan_matches
-from planner.simulator import check_schedule, planned_stages
+from planner.execute.stages import named_stages
+from planner.ops import FORWARD_OPS, Op
+from planner.plan import Plan, check_plan_matches
+from planner.simulate.chain import check_schedule, planned_stages
 
 
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedChain":
@@ -92,7 +93,7 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedCha
     pairs = named_stages(stages)
     if plan.kind != "chain":
         raise MemschedError(f"apply_plan runs plans of kind 'chain', not of kind '{plan.kind}' (a graph plan runs "
-                            "with planner.graph_executor.GraphExecutor, a pipeline plan with planner.pipeline.run_pipeline)")
+                            "with planner.execute.graph.GraphExecutor, a pipeline plan with planner.execute.pipeline.run_pipeline)")
     if plan.moves_data and plan.transfer is None:
         raise MemschedError("the plan moves data between device and host but records no copy channel "
                             "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
@@ -129,16 +130,16 @@ class PlannedChain(torch.nn.Module):
         self.plan = plan
         self.loss_position = next(p for p, op in enumerate(plan.schedule) if op.kind == "Loss")
         self.releases = _output_releases(plan.schedule, len(pairs))
-        if plan.moves_data:  # transfers run through planner/offload_executor.py; nothing of it otherwise
-            from planner.offload_executor import OffloadRun, fused_positions, prepare_host_weights
+        if plan.moves_data:  # transfers run through planner/execute/offload.py; nothing of it otherwise
+            from planner.execute.offload import OffloadRun, fused_positions, prepare_host_weights
 
             self.continued, self.absorbed, self.kept_outputs = fused_positions(plan.schedule)
             self.run_type = OffloadRun
             # Host-weight stages (plans moving weights i): their parameters now live on the host between steps.
             self.host_weights = prepare_host_weights([module for _, module in pairs], plan.schedule)
         else:
-            if "planner.offload_executor" in sys.modules:  # parameters an earlier plan kept on the host: back
-                sys.modules["planner.offload_executor"].prepare_host_weights([module for _, module in pairs], ())
+            if "planner.execute.offload" in sys.modules:  # parameters an earlier plan kept on the host: back
+                sys.modules["planner.execute.offload"].prepare_host_weights([module for _, module in pairs], ())
             self.host_weights = {}
             self.continued, self.absorbed = _fused_positions(plan.schedule) if fuse else (set(), set())
             self.run_type = _Run
@@ -170,7 +171,7 @@ class PlannedChain(torch.nn.Module):
             activation = first
             for k, module in enumerate(self.stages):
                 if k in self.host_weights:  # parameters on the host: a device copy for the call (CUDA)
-                    from planner.offload_executor import weights_on_device
+                    from planner.execute.offload import weights_on_device
 
                     with weights_on_device(self.host_weights[k]):
                         activation = module(activation, *extra)
@@ -262,7 +263,7 @@ class _Graph:
 
 
 class _Run:
-    """The state of one step: what is held, by activation index (bytes follow planner/simulator.py)."""
+    """The state of one step: what is held, by activation index (bytes follow planner/simulate/chain.py)."""
 
     def __init__(self, planned: PlannedChain, first, extra):
         self.planned = planned

@@ -1,6 +1,6 @@
 """The graph simulator: replays a graph schedule and predicts its peak memory and time.
 
-It is the judge of every graph solver, as planner/simulator.py is for chains.
+It is the judge of every graph solver, as planner/simulate/chain.py is for chains.
 A schedule is a sequence of :class:`planner.plan.GraphOp`; with ``resident``
 the values held between operations and ``fixed`` the graph's ``fixed_bytes``:
 
@@ -19,8 +19,9 @@ time is the sum of the computations' times.
 from typing import NamedTuple
 
 from planner.graph import Graph
-from planner.plan import GraphOp, Plan, check_graph_plan_matches
-from planner.simulator import ScheduleError, SimResult, replay
+from planner.ops import GraphOp
+from planner.plan import Plan, check_graph_plan_matches
+from planner.simulate.chain import ScheduleError, SimResult, replay
 
 
 class GraphState(NamedTuple):
@@ -75,7 +76,7 @@ class GraphSimulator:
     def run(self, schedule) -> SimResult:
         """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation.
 
-        The timeline holds one :class:`planner.simulator.Step` per operation
+        The timeline holds one :class:`planner.simulate.chain.Step` per operation
         (memory in bytes, ``fixed_bytes`` included; start and end in seconds).
         """
         state, result = replay(self.initial_state(), self.step, schedule, "operation {index}")

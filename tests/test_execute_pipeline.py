@@ -1,12 +1,12 @@
-"""The pipeline executor (planner/pipeline.py): plans of kind ``pipeline`` from solvers/partition.py run on
+"""The pipeline executor (planner/execute/pipeline.py): plans of kind ``pipeline`` from solvers/partition.py run on
 ``torch.distributed.pipelining`` with 2 gloo processes on the CPU.
 
 Losses and parameter gradients equal single-process training of the same model on the same batch (the
 schedules scale gradients by 1/m; the loss is a mean, so the micro-batch mean equals the batch mean), for
-store-all devices and for a device that recomputes (planner/executor.py inside the stage). Each rank's
+store-all devices and for a device that recomputes (planner/execute/chain.py inside the stage). Each rank's
 measured peak (the last step's window: parameter gradients allocated inside it) is within 5% of the plan's
 device peak less what exists before the window (resident parameters and optimizer state, the batch on rank
-0, PipelineStage's receive buffers elsewhere), under 1F1B and GPipe (planner/pipeline_simulator.py walks
+0, PipelineStage's receive buffers elsewhere), under 1F1B and GPipe (planner/simulate/pipeline.py walks
 each device's phases in PyTorch's order); the first step's peak is larger by the receive buffers it makes.
 
 Each run spawns 2 processes (5-15 s here).
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from planner import MemschedError
-from pipeline_plans import store_all_split
+from oracles.pipeline_plans import store_all_split
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model, load_model
@@ -82,7 +82,7 @@ def model_of(spec, batch):
 
 
 def run(plan, steps=2):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     return run_pipeline(model_of(SPEC, M * MICRO), plan, steps, meter=memory_meter,
                         return_grads=True, progress_timeout=120)
@@ -149,7 +149,7 @@ def test_cli_refuses_a_batch_that_does_not_split(chain, tmp_path, capsys):
 
 
 def test_refuses_1f1b_with_fewer_micro_batches_than_devices(chain):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     plan = plan_for(chain, "1f1b", tight=False)
     fewer = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, micro_batches=1))
@@ -177,7 +177,7 @@ def failing_model():
 
 
 def test_a_rank_that_dies_is_reported_in_one_line(chain):
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     plan = plan_for(chain, "1f1b", tight=False)
     with pytest.raises(MemschedError) as caught:
@@ -196,7 +196,7 @@ def test_gpt_tiny_integer_input_1f1b_equals_single_process(cut):
     over-predicted (0.84 here, the safe side): its profiled backward keeps the incoming gradient to its peak
     and makes both embeddings' gradients, while from the second micro-batch on each is added into ``.grad`` as
     made."""
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     micro = 2
     gpt_chain = profiled(GPT, micro)
@@ -229,7 +229,7 @@ def hanging_model():
 def test_a_hung_run_times_out_and_leaves_no_process(chain):
     import multiprocessing
 
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     plan = plan_for(chain, "1f1b", tight=False)
     with pytest.raises(MemschedError, match=r"timed out after 8 s \(ranks \[.*1\] still running\)"):
@@ -241,7 +241,7 @@ SPEC16 = "mlp:layers=16,width=64"  # long enough that GPipe's m in-flight micro-
 
 
 def test_gpipe_recomputing_devices_equal_single_process():
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
 
     long_chain = profiled(SPEC16, MICRO)
     plan = plan_for(long_chain, "gpipe", tight=True)
@@ -255,7 +255,7 @@ def test_gpipe_recomputing_devices_equal_single_process():
 def test_a_cpu_run_of_more_devices_than_processes_it_may_start_is_refused():
     import os
 
-    from planner.pipeline import run_pipeline
+    from planner.execute.pipeline import run_pipeline
     from profiles.synthetic import random_chain
 
     devices = 4 * os.cpu_count() + 1

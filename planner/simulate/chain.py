@@ -42,7 +42,8 @@ from typing import NamedTuple
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.plan import TRANSFER_OPS, Op, Plan, check_plan_matches
+from planner.ops import TRANSFER_OPS, Op
+from planner.plan import Plan, check_plan_matches
 from planner.transfer import Transfer
 
 
@@ -226,7 +227,7 @@ def check_schedule(schedule, length: int) -> None:
         raise ScheduleError("schedule runs no forward or backward of any stage; a chain has at least one stage")
     chain = Chain(name="schedule check", device="none", input_bytes=0, stages=(_NO_SIZES,) * length, loss=Loss())
     if any(op.kind in TRANSFER_OPS for op in schedule):
-        from planner.offload_simulator import OffloadSimulator
+        from planner.simulate.offload import OffloadSimulator
 
         OffloadSimulator(chain, Transfer(1.0, 1.0)).run(schedule)
     else:
@@ -256,7 +257,7 @@ def check_plan_schedules(plan: Plan, where: str = "plan") -> None:
 def simulate(chain: Chain, plan_or_schedule, transfer=None) -> SimResult:
     """Peak bytes, total seconds and per-operation timeline of a plan (checked against ``chain``) or a schedule.
 
-    A schedule with transfers (an offload plan) is replayed by :mod:`planner.offload_simulator` over the copy
+    A schedule with transfers (an offload plan) is replayed by :mod:`planner.simulate.offload` over the copy
     channel ``transfer``: the plan's own, else the one given, else the chain's."""
     if isinstance(plan_or_schedule, Plan):
         check_plan_matches(plan_or_schedule, chain)
@@ -265,7 +266,7 @@ def simulate(chain: Chain, plan_or_schedule, transfer=None) -> SimResult:
     else:
         schedule = plan_or_schedule
     if any(op.kind in TRANSFER_OPS for op in schedule):
-        from planner.offload_simulator import simulate_offload
+        from planner.simulate.offload import simulate_offload
 
         channel = transfer or chain.transfer
         if channel is None:

@@ -3,7 +3,7 @@
 :func:`run_pipeline` launches one process per device of the plan (``torch.multiprocessing``, spawn; gloo on
 CPU, NCCL on CUDA with one GPU per rank), rendezvous on a free TCP port of localhost chosen at launch. Each
 rank builds the model (same seed, so the same parameters), takes its stages ``[first, last)`` as one module
-(the plain stages for a store-all schedule; :func:`planner.executor.apply_plan` with the device's own
+(the plain stages for a store-all schedule; :func:`planner.execute.chain.apply_plan` with the device's own
 schedule, in local stage indices, when it recomputes), wraps it in a static-shape ``PipelineStage`` (example
 input and output of one micro-batch; later stages' inputs ``requires_grad``) and runs ``Schedule1F1B`` or
 ``ScheduleGPipe`` with the plan's micro-batches over the batch. The last rank computes the loss of each
@@ -18,7 +18,7 @@ CUDA, around ``schedule.step`` (and the sums of shared parameters' gradients) wi
 ``None`` and the stage's runtime state cleared before (what it kept of the previous step, which ``step``
 itself frees first), so the gradients are allocated inside it and nothing is freed below the starting level.
 It is compared with the plan's device peak less what existed before the window: the resident parameters and
-optimizer state, and the step's buffers (planner/pipeline_simulator.py): the batch (rank 0) or
+optimizer state, and the step's buffers (planner/simulate/pipeline.py): the batch (rank 0) or
 ``PipelineStage``'s receive buffers (``m`` activations on every rank but the first, ``m`` gradients on every
 rank but the last), allocated at the first step and kept. The measurement is of the last step (the first also
 allocates the receive buffers). :class:`RankResult` reports these byte counts beside the measured peak.
@@ -28,7 +28,7 @@ copy on each (every rank builds the whole model with the same seed, so the copie
 ``schedule.step``, inside the measured window, each copy's gradient is summed over the ranks holding one
 (``all_reduce`` on a group of those ranks), so every copy has the whole batch's gradient and takes the
 update of single-process training. The plan must count those copies (``pipeline.shared``, from the chain's
-``shared``; planner/pipeline_simulator.py): a parameter shared across devices that it does not count, or
+``shared``; planner/simulate/pipeline.py): a parameter shared across devices that it does not count, or
 one it counts that the model does not share, is refused in one line naming the parameter, its stages and
 devices, and the fixes.
 
@@ -75,9 +75,10 @@ from pathlib import Path
 
 import torch
 
-from planner import validate
+import planner.validate as validate
 from planner.errors import MemschedError
-from planner.plan import FORWARD_OPS, Plan, Predicted
+from planner.ops import FORWARD_OPS
+from planner.plan import Plan, Predicted
 from planner.shared import find_shared
 
 DEFAULT_PROGRESS_TIMEOUT = 300.0  # seconds without a finished step (or a rank's setup milestone)
@@ -155,8 +156,8 @@ def device_recomputes(device) -> bool:
 
 
 def local_plan(plan: Plan, device) -> Plan:
-    """A chain plan for one device's sub-chain: its schedule in local stage indices (planner.executor.apply_plan)."""
-    from planner.pipeline_simulator import to_local
+    """A chain plan for one device's sub-chain: its schedule in local stage indices (planner.execute.chain.apply_plan)."""
+    from planner.simulate.pipeline import to_local
 
     return Plan(problem_name=f"{plan.problem_name}[{device.first}:{device.last}]", fingerprint="", solver="partition",
                 budget_bytes=device.peak_bytes, predicted=Predicted(peak_bytes=device.peak_bytes, time=device.time,
@@ -304,7 +305,7 @@ def _check_measured_on(built, plan: Plan, chain, micro: int) -> None:
     """What the chain (else the plan) records it was measured on must be the model's stages and one micro-batch
     of its input (the chain is profiled at the micro-batch); not checked when neither records it."""
     from planner.measured_on import record_of
-    from planner.stages import named_stages
+    from planner.execute.stages import named_stages
 
     measured, source = record_of(chain, plan)
     if measured is None:
@@ -559,7 +560,7 @@ def _worker(rank, world, port, folder, connection, parent, model, plan, steps, m
         import torch.distributed as dist
         import torch.distributed.pipelining  # noqa: F401 - imported before the first report: the rank's start
 
-        import planner.executor  # noqa: F401
+        import planner.execute.chain  # noqa: F401
 
         report.doing("joining the process group", False, milestone=True)
         torch.set_num_threads(1)
@@ -611,8 +612,8 @@ class _Range(torch.nn.Module):
 def _run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed, report) -> RankResult:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from planner.executor import apply_plan
-    from planner.stages import preserved_state
+    from planner.execute.chain import apply_plan
+    from planner.execute.stages import preserved_state
 
     report.doing("building its stage", True, milestone=True)
     torch.manual_seed(seed)
@@ -719,9 +720,9 @@ def _unused_loss(output, target):  # the schedule wants a loss on every rank to 
 
 
 def _resident(plan, rank, built) -> int:
-    """Device ``rank``'s resident state as planner/pipeline_simulator.py counts it: parameters, master copy and
+    """Device ``rank``'s resident state as planner/simulate/pipeline.py counts it: parameters, master copy and
     optimizer state of its stages (from the parameters' count, fp32 as in the chain)."""
-    from planner.step_memory import TrainingSetup
+    from planner.training_setup import TrainingSetup
 
     device = plan.pipeline.devices[rank]
     params = {id(p): p for _, module in built.stages[device.first:device.last] for p in module.parameters()

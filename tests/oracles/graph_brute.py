@@ -14,8 +14,8 @@ so they are an independent judge of optimality. Three schedule classes:
 import heapq
 import itertools
 
-from planner.graph_simulator import GraphSimulator
-from planner.plan import GraphOp
+from planner.simulate.graph import GraphSimulator
+from planner.ops import GraphOp
 
 
 def _search(graph, start_cost, extend, frontier=False, max_computations=None, heuristic=True):

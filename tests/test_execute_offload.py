@@ -1,4 +1,4 @@
-"""The executor on offload plans (planner/offload_executor.py): the plain step, exactly, at the predicted peak.
+"""The executor on offload plans (planner/execute/offload.py): the plain step, exactly, at the predicted peak.
 
 Offload plans are built by hand from compute schedules: store-all with each ``saved i`` offloaded after
 ``F_all i``, released two forwards later and prefetched before ``B i+1``; and the schedules of Rotor plans
@@ -18,18 +18,18 @@ import torch
 from torch.testing import assert_close
 
 from planner import MemschedError, Op, Plan, Predicted, simulate
-from planner.executor import apply_plan
-from planner.offload_executor import OffloadRun, fused_positions, live_copies
-from planner.offload_simulator import OffloadSimulator
-from planner.plan import TRANSFER_OPS
+from planner.execute.chain import apply_plan
+from planner.execute.offload import OffloadRun, fused_positions, live_copies
+from planner.simulate.offload import OffloadSimulator
+from planner.ops import TRANSFER_OPS
 from planner.transfer import Transfer
 from profiles.memory import LiveMemoryTracker
 from solvers import solve, store_all_peak
-from test_executor import FIDELITY, SEED, clear_grads, grads, input_bytes, plain_step, profiled_models
+from test_execute_chain import FIDELITY, SEED, clear_grads, grads, input_bytes, plain_step, profiled_models
 
 CHANNEL = Transfer(d2h_bandwidth=12e9, h2d_bandwidth=12e9, latency=1e-5)
 MODELS = ("mlp", "gpt-tiny", "resnet-tiny")
-# The fidelity sizes of tests/test_executor.py, the mlp shortened (its 32 layers add time, not coverage).
+# The fidelity sizes of tests/test_execute_chain.py, the mlp shortened (its 32 layers add time, not coverage).
 SPECS = {**FIDELITY, "mlp": "mlp:layers=12"}
 DEFAULT_THREADS = torch.get_num_threads()  # what the ``models`` fixture profiles at
 RATIOS = {}  # (model, plan) -> measured / predicted peak, printed at the end (pytest -s)
@@ -319,9 +319,9 @@ def _unvalidated_plan(chain, schedule) -> Plan:
 
 @pytest.fixture
 def unchecked(monkeypatch):
-    """``apply_plan`` without the schedule check it makes first (planner/simulator.py ``check_schedule``, which
+    """``apply_plan`` without the schedule check it makes first (planner/simulate/chain.py ``check_schedule``, which
     refuses these schedules in one line; tests/test_bad_inputs.py): the executor's own guards are what is tested."""
-    monkeypatch.setattr("planner.executor.check_schedule", lambda schedule, length: None)
+    monkeypatch.setattr("planner.execute.chain.check_schedule", lambda schedule, length: None)
 
 
 def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models, unchecked):

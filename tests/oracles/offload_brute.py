@@ -13,9 +13,9 @@ releases, then the prefetches (in every order).
 
 import itertools
 
-from planner.offload_simulator import simulate_offload
-from planner.plan import Op
-from planner.simulator import ChainSimulator, ScheduleError
+from planner.simulate.offload import simulate_offload
+from planner.ops import Op
+from planner.simulate.chain import ChainSimulator, ScheduleError
 
 
 def productions(chain, ops) -> list:

@@ -7,8 +7,8 @@ are an independent judge of optimality.
 import heapq
 import itertools
 
-from planner.plan import Op
-from planner.simulator import ChainSimulator
+from planner.ops import Op
+from planner.simulate.chain import ChainSimulator
 
 
 def _moves(length: int):

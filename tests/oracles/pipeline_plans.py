@@ -3,9 +3,9 @@ times), store-all on every device, with the pipeline simulator's figures."""
 
 import dataclasses
 
-from planner.pipeline_simulator import simulate_pipeline, to_global
+from planner.simulate.pipeline import simulate_pipeline, to_global
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
-from planner.step_memory import TrainingSetup
+from planner.training_setup import TrainingSetup
 from solvers.extremes import store_all_schedule
 
 

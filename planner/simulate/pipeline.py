@@ -2,7 +2,7 @@
 
 A pipeline runs a chain on ``P`` devices; device ``s`` (0-based) holds the contiguous stages ``[first_s,
 last_s)`` and every device processes ``m`` micro-batches per iteration, in the order of PyTorch's schedules
-(``torch.distributed.pipelining``, which planner/pipeline.py runs). The chain profile describes **one
+(``torch.distributed.pipelining``, which planner/execute/pipeline.py runs). The chain profile describes **one
 micro-batch**. The model (docs/formats.md, "Pipelines"):
 
 **The device's sub-chain.** Device ``s`` runs a standalone chain (:func:`sub_chain`): its input is the
@@ -10,7 +10,7 @@ activation it receives, ``a_first`` (for device 0 the model's input), its stages
 ``[first, last)``, and its loss is the chain's on the last device; on the others it is a zero-time,
 zero-temporary "loss" whose gradient is ``δ_last`` received from the next device (the ``Loss`` operation of
 a non-last device's schedule *is* that arrival). Its schedule (store-all or a Rotor schedule) is replayed by
-the chain simulator (planner/simulator.py) twice, without and with the parameter gradients, which gives per
+the chain simulator (planner/simulate/chain.py) twice, without and with the parameter gradients, which gives per
 micro-batch (:class:`MicroBatch`, bytes above what the device holds for the whole step, as PyTorch's engine
 runs it: :func:`micro_batch`):
 
@@ -32,7 +32,7 @@ to the end of the operation, while autograd frees it first thing).
 
 **What a device holds for the whole step** (:class:`DeviceState`). ``resident``: parameters, fp32 master copy
 and optimizer state (``setup.resident_bytes(n)``, ``n`` = parameters of its stages, ``sum(param_bytes) / 4``
-rounded up, as planner.step_memory.parameters_of counts a chain); ``buffers``: the ``m`` micro-batch inputs
+rounded up, as planner.training_setup.parameters_of counts a chain); ``buffers``: the ``m`` micro-batch inputs
 (device 0: the batch, split into views; the others: the engine's receive buffers, one per micro-batch) and,
 on devices before the last, the ``m`` receive buffers of ``δ_last``. So the sub-chain's input and received gradient are
 not counted again per micro-batch; a receive buffer is never freed early, so the first backward's peak keeps
@@ -43,7 +43,7 @@ that several stages read once, in its last reader's ``param_bytes``. A device ho
 last one holds a copy of its own (:func:`copies`): its parameters, master copy, optimizer state and gradient
 are counted there too, the gradient made at the device's last reader's first backward, as a stage's own
 (:func:`device_param_bytes`; that stage's profiled ``bwd_tmp_bytes`` already cover the gradient it makes).
-After the backward the copies' gradients are summed across the devices holding them (planner/pipeline.py),
+After the backward the copies' gradients are summed across the devices holding them (planner/execute/pipeline.py),
 so every copy takes the update of single-process training. Within one device a shared parameter stays
 counted once.
 
@@ -58,7 +58,7 @@ variables), and the running micro-batch at its phase's peak::
     peak_s = resident_s + buffers_s + max over the phases of (those terms)
 
 (:func:`step_peak`, which evaluates only the phases where that maximum can be: a few per run of
-phases, whatever ``m``). Measured on 2 and 3 gloo processes (tests/test_pipeline.py): 0.98-1.002 of the
+phases, whatever ``m``). Measured on 2 and 3 gloo processes (tests/test_execute_pipeline.py): 0.98-1.002 of the
 prediction per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices), 0.84 on
 a device holding only an embedding. It is high where the profile counts more than the engine holds: up to
 one received gradient where a stage's backward holds its incoming gradient to its peak anyway (its
@@ -91,8 +91,8 @@ from dataclasses import dataclass
 from planner.chain import Chain, Loss
 from planner.errors import MemschedError
 from planner.plan import PIPELINE_SCHEDULES, Plan
-from planner.simulator import ChainSimulator, backward_peak
-from planner.step_memory import PROFILE_GRADIENT_BYTES, TrainingSetup
+from planner.simulate.chain import ChainSimulator, backward_peak
+from planner.training_setup import PROFILE_GRADIENT_BYTES, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def device_param_bytes(chain: Chain, first: int, last: int) -> tuple:
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
     """Trainable parameters a device on stages ``[first, last)`` holds: :func:`device_param_bytes` / 4, rounded up
-    (as planner.step_memory.parameters_of counts a chain)."""
+    (as planner.training_setup.parameters_of counts a chain)."""
     return -(-sum(device_param_bytes(chain, first, last)) // PROFILE_GRADIENT_BYTES)
 
 

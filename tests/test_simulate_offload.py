@@ -7,9 +7,10 @@ import pytest
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.offload_simulator import OffloadSimulator, simulate_offload
-from planner.plan import Op, Plan, Predicted
-from planner.simulator import ScheduleError, simulate
+from planner.simulate.offload import OffloadSimulator, simulate_offload
+from planner.ops import Op
+from planner.plan import Plan, Predicted
+from planner.simulate.chain import ScheduleError, simulate
 from planner.transfer import Transfer, parse_bandwidth
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule

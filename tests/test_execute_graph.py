@@ -1,4 +1,4 @@
-"""The graph executor (planner/graph_executor.py): a planned step is the eager step, within the memory predicted.
+"""The graph executor (planner/execute/graph.py): a planned step is the eager step, within the memory predicted.
 
 For each model a graph is profiled once, solved with ``store_all`` and with ``checkmate`` at 75% and 50% of
 the store-all peak, and each plan is run by a fresh :class:`GraphExecutor` on a fresh build of the model,
@@ -18,9 +18,9 @@ from torch.testing import assert_close
 
 from planner.errors import MemschedError
 from planner.graph import store_all_graph_schedule
-from planner.graph_capture import StepRun, capture
-from planner.graph_executor import GraphExecutor
-from planner.graph_simulator import simulate_graph
+from planner.execute.capture import StepRun, capture
+from planner.execute.graph import GraphExecutor
+from planner.simulate.graph import simulate_graph
 from planner.plan import Plan, Predicted
 from profiles import zoo
 from profiles.graph_profiler import profile_graph

@@ -1,4 +1,4 @@
-"""planner/step_memory.py: bytes per parameter, ZeRO sharding and the activation budget, by hand."""
+"""planner/training_setup.py: bytes per parameter, ZeRO sharding and the activation budget, by hand."""
 
 import pytest
 
@@ -6,7 +6,7 @@ import solvers
 from planner import simulate
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.step_memory import (OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of,
+from planner.training_setup import (OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of,
                                  setup_chain)
 from profiles.synthetic import random_chain
 

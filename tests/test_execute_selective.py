@@ -1,4 +1,4 @@
-"""Save-only graph plans as selective-checkpoint policies (planner/selective.py) on the eager model.
+"""Save-only graph plans as selective-checkpoint policies (planner/execute/selective.py) on the eager model.
 
 For each model a graph is profiled once (``estimate=True``: sizes exact, times from FLOPs, so the solver's
 plans are the same on every run), and two save-only plans are run under the policy on a fresh build of the
@@ -9,7 +9,7 @@ plan keeps them, so both ways of handling dropout are run: masks recomputed (the
 checkpoint) and dropout outputs cached (``mul`` saved while the mask is made again in order). On resnet-tiny
 the two plans come out with the same figures (2 recomputations).
 
-Memory is counted as in tests/test_graph_executor.py: the tracker counts what the step allocates (gradients
+Memory is counted as in tests/test_execute_graph.py: the tracker counts what the step allocates (gradients
 ``None`` before), and the parameters, buffers, inputs and targets are the graph's ``fixed_bytes``; the plain
 eager step is put on the same footing. The policy's peak is not the plan's (``checkpoint`` keeps each stage's
 input, recomputes a whole stage at the first backward use of its saved tensors, and autograd saves eager
@@ -28,15 +28,15 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from planner.errors import MemschedError
 from planner.graph import schedule_with_frees
-from planner.graph_simulator import GraphSimulator
+from planner.simulate.graph import GraphSimulator
 from planner.plan import Plan, Predicted
-from planner.selective import (LOSS_REGION, checkpointed_model, is_save_plan, save_plan, save_plan_problem,
+from planner.execute.selective import (LOSS_REGION, checkpointed_model, is_save_plan, save_plan, save_plan_problem,
                                selective_policy)
 from profiles.graph_profiler import profile_graph
 from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
 from solvers.graph import solve_graph, store_all_graph_peak
-from test_graph_executor import build, named
+from test_execute_graph import build, named
 
 SEED = 11
 NODES = 40
