@@ -39,7 +39,8 @@ def solve_times(lengths, slots, plain_up_to, repeats):
     warm = random_chain(4, 0)
     solve(warm, store_all_peak(warm) - 1, "rotor", slots=slots)
     print(f"first call (compiling, or loading numba's cache): {time.perf_counter() - started:.2f} s\n")
-    print(f"{'L':>4} {'slots':>5} {'solve() s':>10} {'DP table s':>11} {'plain DP s':>11} {'plain/table':>12} {'overhead':>9}")
+    print(f"{'L':>4} {'slots':>5} {'solve() s':>10} {'DP table s':>11} {'plain DP s':>11} {'plain/table':>12} "
+          f"{'overhead':>9}")
     for length in lengths:
         chain = random_chain(length, seed=length, tmp=True, params=True)
         budget = (minimum_budget(chain) + store_all_peak(chain)) // 2
@@ -59,7 +60,8 @@ def solve_times(lengths, slots, plain_up_to, repeats):
 def rotor_against_sqrt(length, seeds):
     """At the peak of each √n-style segment count, Rotor's overhead against Chen's."""
     print(f"\nRotor vs Chen's segments at Chen's own peak (L = {length}, {len(seeds)} chains)")
-    print(f"{'seed':>4} {'segments':>8} {'budget':>12} {'sqrt overhead':>14} {'rotor overhead':>15} {'rotor/sqrt time':>16}")
+    print(f"{'seed':>4} {'segments':>8} {'budget':>12} {'sqrt overhead':>14} {'rotor overhead':>15} "
+          f"{'rotor/sqrt time':>16}")
     for seed in seeds:
         chain = random_chain(length, seed=seed, tmp=True, params=True)
         simulator = ChainSimulator(chain)

@@ -50,12 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 import torch  # noqa: E402
-from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 
 from planner.errors import MemschedError  # noqa: E402
 from planner.execute.chain import apply_plan  # noqa: E402
-from planner.ops import Op  # noqa: E402
 from planner.simulate.chain import ChainSimulator  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter, storage_bytes  # noqa: E402
@@ -129,7 +128,8 @@ class Bench:
         self.model, self.measure, self.steps, self.warmup = model, measure, steps, warmup
         self.modules = [module for _, module in model.stages]
         self.parameters = [p for m in self.modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
-        self.input_bytes = storage_bytes([t for t in tree_flatten(model.example_inputs)[0] if isinstance(t, torch.Tensor)])
+        self.input_bytes = storage_bytes([t for t in tree_flatten(model.example_inputs)[0]
+                                          if isinstance(t, torch.Tensor)])
         self.sequential = torch.nn.Sequential(*self.modules) if self.single_input() else None
 
     def single_input(self) -> bool:
@@ -317,7 +317,8 @@ def print_compare(rows):
         model = (f"{mib(row['cs_predicted_peak']):>8} {row['cs_predicted_peak'] - row['cs_peak']:>+10d} "
                  f"{ms(row['cs_predicted_s']):>7}")
         if "error" in row:
-            print(f"{head} {'-':>9} {'-':>7} {'-':>8} {'-':>8}                  {model} {'-':>8}  rotor: {row['error']}")
+            print(f"{head} {'-':>9} {'-':>7} {'-':>8} {'-':>8}                  {model} {'-':>8}  "
+                  f"rotor: {row['error']}")
             continue
         flag = "" if row["rotor_peak"] <= row["cs_peak"] else \
             f"  rotor's peak is {row['rotor_peak'] / row['cs_peak'] - 1:.3%} above cs's"
@@ -333,7 +334,8 @@ def print_compare(rows):
         print(f"      {'s=' + str(row['budget_count']):>5} {mib(row['predicted_peak']):>9} "
               f"{row['rotor_peak'] / row['predicted_peak']:8.4f} {ms(row['predicted_s']):>8} "
               f"{row['rotor_s'] / row['predicted_s']:8.3f} {row['rotor_s'] / row['plain_s'] - 1:10.1%} "
-              f"{row['predicted_overhead']:10.1%} {row['recomputed']:>6} {row['grad_diff']:10.2e} {row['grad_rel']:8.1e}")
+              f"{row['predicted_overhead']:10.1%} {row['recomputed']:>6} {row['grad_diff']:10.2e} "
+              f"{row['grad_rel']:8.1e}")
 
 
 def span(values, digits=3, percent=False) -> str:
@@ -349,7 +351,8 @@ def print_summary(results):
     worst = max(ratio for _, ratio in ratios)
     fastest = ", ".join(f"{name} {r['overhead']['fastest_ratio']:.3f}" for name, r in results)
     control = ", ".join(f"{name} {r['overhead']['control']:.3f}" for name, r in results)
-    print("(a) executor store_all / plain step time (medians): " + ", ".join(f"{name} {ratio:.3f}" for name, ratio in ratios)
+    print("(a) executor store_all / plain step time (medians): "
+          + ", ".join(f"{name} {ratio:.3f}" for name, ratio in ratios)
           + f"; worst {worst:.3f} (target <= 1.03: {'met' if worst <= 1.03 else 'MISSED'}); fastest steps: {fastest}; "
             f"A/A control, the plain step against itself in the same loop: {control}")
     rows = [row for _, r in results for row in r.get("compare", []) if "error" not in row]
@@ -367,10 +370,14 @@ def print_summary(results):
               f"{within}/{len(rows)} (at most {excess:.3%} above)"
               + (f"; rotor infeasible at {len(failed)} of {len(rows) + len(failed)} budgets" if failed else ""))
         if rows:
-            print(f"(c) rotor measured / predicted: time {span([row['rotor_s'] / row['predicted_s'] for row in rows])}, "
-                  f"peak {span([row['rotor_peak'] / row['predicted_peak'] for row in rows], 4)} over {len(rows)} plans; "
-                  f"overhead over the plain step measured {span([row['rotor_s'] / row['plain_s'] - 1 for row in rows], 1, True)}"
-                  f" vs predicted {span([row['predicted_overhead'] for row in rows], 1, True)}; largest relative gradient "
+            print(f"(c) rotor measured / predicted: time "
+                  f"{span([row['rotor_s'] / row['predicted_s'] for row in rows])}, "
+                  f"peak {span([row['rotor_peak'] / row['predicted_peak'] for row in rows], 4)} "
+                  f"over {len(rows)} plans; "
+                  f"overhead over the plain step measured "
+                  f"{span([row['rotor_s'] / row['plain_s'] - 1 for row in rows], 1, True)}"
+                  f" vs predicted {span([row['predicted_overhead'] for row in rows], 1, True)}; "
+                  f"largest relative gradient "
                   f"difference from the plain step {max(row['grad_rel'] for row in rows):.1e}")
         else:
             print("(c) no rotor plan ran")
@@ -452,7 +459,8 @@ def main():
     malloc = "adaptive malloc" if args.adaptive_malloc or not pin_malloc() else "fixed malloc thresholds"
     started = time.perf_counter()
     clock = Clock(args.device, wall=args.wall_clock or torch.get_num_threads() > 1)
-    print(f"executor benchmark on {args.device} (torch {torch.__version__}, {torch.get_num_threads()} threads, {malloc}, "
+    print(f"executor benchmark on {args.device} (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{malloc}, "
           f"load average {load_average()}): median of {args.steps} steps after {args.warmup} by {clock.label}, "
           f"times in ms, peaks in MiB")
     try:

@@ -54,7 +54,8 @@ from planner.errors import MemschedError  # noqa: E402
 from planner.execute.chain import apply_plan  # noqa: E402
 from planner.ops import TRANSFER_OPS
 from planner.plan import Predicted  # noqa: E402
-from planner.simulate.chain import ChainSimulator, simulate  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
+from planner.simulate.chain import ChainSimulator  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -150,7 +151,7 @@ def time_pinned_copies(device, nbytes, repeats) -> dict:
         for direction in directions:
             stream = streams[direction]
             stream.wait_event(start)
-            destination, source = buffers[direction]
+            destination, source = buffers[direction]  # noqa: F821 (closure, later del)
             with torch.cuda.stream(stream):
                 destination.copy_(source, non_blocking=True)
             ends[direction] = torch.cuda.Event(enable_timing=True)
@@ -293,7 +294,8 @@ class Checks:
             + (f"; rotor infeasible at {len(rows) - len(done)}" if len(rows) > len(done) else ""))
         if done:
             self.summary.append(
-                f"(c) rotor measured / predicted: time {bench_executor.span([r['rotor_s'] / r['predicted_s'] for r in done])}"
+                f"(c) rotor measured / predicted: time "
+                f"{bench_executor.span([r['rotor_s'] / r['predicted_s'] for r in done])}"
                 f", peak {bench_executor.span([r['rotor_peak'] / r['predicted_peak'] for r in done], 4)}")
 
     def profiled_channel(self):

@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from planner.errors import MemschedError  # noqa: E402
 from planner.graph import load_graph, save_graph  # noqa: E402
-from solvers.graph import solve_graph, store_all_graph_peak  # noqa: E402
+from planner.simulate.graph import GraphSimulator, schedule_with_frees  # noqa: E402
+from solvers import solve_graph, store_all_graph_peak  # noqa: E402
+from solvers.graph_heuristic import greedy_order  # noqa: E402
 
 SOLVERS = {
     "checkmate-highs": ("checkmate", {"backend": "highs"}),
@@ -55,10 +57,6 @@ def model_graphs(specs, sizes):
 
 def greedy_row(graph, budget: int, percent: str) -> None:
     """The warm-start heuristic alone (solvers.graph_heuristic.greedy_order), as a table row."""
-    from planner.graph import schedule_with_frees
-    from planner.simulate.graph import GraphSimulator
-    from solvers.graph_heuristic import greedy_order
-
     started = time.perf_counter()
     order = greedy_order(graph, budget)
     seconds = time.perf_counter() - started

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.chain import load_chain  # noqa: E402
 from planner.errors import MemschedError  # noqa: E402
-from planner.simulate.chain import simulate  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
 from planner.transfer import Transfer  # noqa: E402
 from profiles.synthetic import random_chain  # noqa: E402
 from solvers import store_all_peak  # noqa: E402

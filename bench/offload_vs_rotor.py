@@ -32,9 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chains import bench_chains  # noqa: E402
-
 from planner.errors import MemschedError  # noqa: E402
-from planner.simulate.chain import simulate  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
 from planner.transfer import Transfer  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -105,11 +104,11 @@ def executed_table(args) -> None:
     import torch
 
     from planner.execute.chain import apply_plan
-    from planner.execute.stages import named_stages
-    from profiles.chain_profiler import default_loss, profile_chain
+    from planner.execute.stages import default_loss, named_stages, run_stages
+    from profiles.chain_profiler import profile_chain
     from profiles.memory import memory_meter
     from profiles.spec import load_model
-    from profiles.training import input_bytes, plain_forward
+    from profiles.training import input_bytes
 
     print(f"\n{'model':>12} {'solver':>8} {'point':>6} | {'measured/predicted peak':>24} {'time meas/pred':>17} "
           f"{'offloads':>8} {'grads equal':>11}")
@@ -140,7 +139,7 @@ def executed_table(args) -> None:
                 times.append(time.perf_counter() - started)
             return sorted(times)[repeats // 2]
 
-        _, reference = step(lambda *xs: plain_forward(stages, xs))
+        _, reference = step(lambda *xs: run_stages(stages, xs))
         for name, point in (("pofo", 0.3), ("offload", 0.5), ("offload", 0.8)):
             budget = int(low + point * (high - low))
             try:
@@ -152,7 +151,8 @@ def executed_table(args) -> None:
             peak, grads = step(planned)
             equal = all(torch.equal(a, b) for a, b in zip(grads, reference))
             print(f"{spec:>12} {name:>8} {point:6.0%} | {peak / plan.predicted.peak_bytes:24.4f} "
-                  f"{seconds(planned) / plan.predicted.time:17.2f} {sum(op.kind == 'Offload' for op in plan.schedule):8d} "
+                  f"{seconds(planned) / plan.predicted.time:17.2f} "
+                  f"{sum(op.kind == 'Offload' for op in plan.schedule):8d} "
                   f"{str(equal):>11}", flush=True)
 
 

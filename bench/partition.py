@@ -32,7 +32,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chains import bench_chains  # noqa: E402
-
 from planner.errors import MemschedError  # noqa: E402
 from planner.simulate.pipeline import pipeline_time  # noqa: E402
 from solvers.partition import PartitionProblem, least_device_memory, min_max_partition, solve_partition  # noqa: E402
@@ -66,7 +65,7 @@ def balance_by_time(chain, devices: int) -> list:
 def evaluate(problem, parts):
     """Iteration time of a fixed partition, each device's schedule as the DP's option for its range; None if a
     device does not fit."""
-    options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
+    options = [problem.option(a, b, problem.in_flight(s)) for s, (a, b) in enumerate(parts)]
     if any(o is None for o in options):
         return None, None
     return pipeline_time([o.time for o in options], problem.micro_batches), options

@@ -1,47 +1,14 @@
 """The chain problem: a sequence of stages trained by backpropagation.
 
-Stage ``i`` (0 <= i < L) maps activation ``a_i`` to ``a_{i+1}``; ``a_0`` is the
-input. Per stage, in seconds and bytes:
-
-* ``fwd_time`` / ``bwd_time``: duration of its forward / backward;
-* ``out_bytes``: size of ``a_{i+1}`` (and of its gradient ``δ_{i+1}``);
-* ``saved_bytes``: size of ``ā_{i+1}``, everything the stage keeps for its
-  backward when run with autograd, its output included (``>= out_bytes``);
-* ``own_saved_bytes``: what ``ā_{i+1}`` shrinks to once ``δ_{i+1}`` exists
-  and no later operation can read ``a_{i+1}``: ``saved_bytes`` less the
-  outputs the stage's own backward does not read (a residual sum is read by
-  the next stage, not by the addition). ``saved_bytes`` when absent, and
-  between ``saved_bytes − out_bytes`` and ``saved_bytes``;
-* ``fwd_tmp_bytes`` / ``bwd_tmp_bytes``: transient peak during the forward
-  with autograd / the backward above the resident memory and what it keeps
-  (``saved_bytes`` for the forward, the input gradient for the backward; the
-  backward's covers the parameter gradients it has made by its peak);
-* ``nograd_tmp_bytes``: the same for the forward without autograd (``F_ck``,
-  ``F_none``) above the output, whose intermediates are freed as it goes
-  rather than saved; ``fwd_tmp_bytes`` when absent;
-* ``param_bytes``: parameter gradients, allocated by the backward and kept
-  until the step ends.
-
-The loss closes the chain: it reads ``a_L`` and produces ``δ_L`` in
-``loss.bwd_time`` seconds with ``loss.tmp_bytes`` transient bytes; the
-optional ``loss.saved_bytes`` (inside ``tmp_bytes``) is what its forward
-leaves for its backward (the loss value and what it saves), which matters
-where the loss runs right after the forward and its backward later (a
-pipeline's last device).
-
-An optional ``transfer`` gives the device-host copy channel
-(:class:`planner.transfer.Transfer`) that offload plans use. It describes the
-machine, not the model, so it is left out of the fingerprint. The optional
-``shared`` lists parameters several stages read (planner/shared.py: tied
-weights, counted in the last reader's ``param_bytes``). An optional
-``measured_on`` (:class:`planner.measured_on.MeasuredOn`) records the shapes
-and dtypes of the inputs and of each stage's parameters the chain was measured
-on; running it on other tensors is refused (absent in older files: no check).
-
-The file format is ``memsched.chain/1`` (docs/formats.md).
+Stage ``i`` (0 <= i < L) maps activation ``a_i`` to ``a_{i+1}``; ``a_0`` is the input, and a :class:`Loss`
+closes the chain. A :class:`Stage` gives the seconds of its forward and backward and the bytes of what it
+makes, keeps and needs transiently; a :class:`Chain` may also carry the device-host copy channel
+(``transfer``, left out of the fingerprint: it describes the machine, not the model), the parameters several
+stages share (``shared``, planner/shared.py) and what it was measured on (``measured_on``,
+planner/measured_on.py). Every field is defined in docs/formats.md (``memsched.chain/1``), and how the
+simulator counts them in docs/model.md.
 """
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -53,6 +20,7 @@ from planner.jsonio import read_json, write_json_atomic
 from planner.measured_on import MeasuredOn
 from planner.shared import shared_from_list
 from planner.transfer import Transfer
+from planner.units import sum_seconds
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
@@ -128,23 +96,12 @@ class Chain:
 
         Added in that order, as the simulator adds a store-all schedule, so both give the same float.
         """
-        total = 0.0
-        for seconds in ([s.fwd_time for s in self.stages] + [self.loss.bwd_time]
-                        + [s.bwd_time for s in reversed(self.stages)]):
-            total += seconds
-        return total
+        return sum_seconds([s.fwd_time for s in self.stages] + [self.loss.bwd_time]
+                           + [s.bwd_time for s in reversed(self.stages)])
 
     def act_bytes(self, i: int) -> int:
         """Size of activation ``a_i`` (0 <= i <= L); ``a_0`` is the input."""
         return self.input_bytes if i == 0 else self.stages[i - 1].out_bytes
-
-    def is_homogeneous(self) -> bool:
-        """True when every stage has the same times and sizes (the setting Revolve is optimal for)."""
-        first = self.stages[0]
-        return all(
-            dataclasses.replace(s, name="") == dataclasses.replace(first, name="")
-            for s in self.stages
-        )
 
     def to_dict(self) -> dict:
         """The ``memsched.chain/1`` JSON object."""

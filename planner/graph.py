@@ -1,16 +1,10 @@
 """The graph problem: one training step as a DAG of forward and backward operations.
 
-Nodes are listed in a topological order (every dependency has a smaller
-index). Node ``v`` produces one value of ``out_bytes`` bytes in ``time``
-seconds, reading the values of its ``deps``; while it runs it also needs
-``tmp_bytes`` transient bytes. ``fixed_bytes`` (parameters, buffers, inputs,
-targets) stay resident for the whole step. ``keep`` values (parameter
-gradients, the loss) must stay resident until the step ends; ``random``
-nodes draw random numbers, so their first computations keep the index order.
-
-The memory model that judges a schedule (a sequence of ``compute v`` and
-``free v``) is in planner/simulate/graph.py; the file format is
-``memsched.graph/1`` (docs/formats.md).
+Nodes are listed in a topological order (every dependency has a smaller index). Node ``v`` produces one
+value of ``out_bytes`` bytes in ``time`` seconds, reading the values of its ``deps``, with ``tmp_bytes``
+transient bytes; ``fixed_bytes`` stay resident for the whole step, ``keep`` values until it ends, and
+``random`` nodes keep their index order. The file format is ``memsched.graph/1`` (docs/formats.md); the
+simulator that judges a schedule is planner/simulate/graph.py (rules in docs/model.md).
 """
 
 import hashlib
@@ -22,7 +16,7 @@ from pathlib import Path
 import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
-from planner.ops import GraphOp
+from planner.units import sum_seconds
 
 GRAPH_FORMAT = "memsched.graph/1"
 _GRAPH_FIELDS = ("format", "name", "device", "source", "fixed_bytes", "nodes")
@@ -79,10 +73,7 @@ class Graph:
     def compute_time(self) -> float:
         """Seconds of one step without recomputation: every node once, added in index order (as the
         simulator adds the store-all schedule, so both give the same float)."""
-        total = 0.0
-        for node in self.nodes:
-            total += node.time
-        return total
+        return sum_seconds(node.time for node in self.nodes)
 
     def check(self, where: str = "graph") -> "Graph":
         """Validate a graph built in Python through its JSON form; return it."""
@@ -117,8 +108,8 @@ class Graph:
         for index, raw in enumerate(raw_nodes):
             node = _node_from_dict(raw, f"{where}: nodes[{index}]", index)
             if node.name in names:
-                raise MemschedError(f"{where}: nodes[{index}].name {node.name!r} is also the name of nodes[{names[node.name]}]; "
-                                    "names must be unique")
+                raise MemschedError(f"{where}: nodes[{index}].name {node.name!r} is also the name of "
+                                    f"nodes[{names[node.name]}]; names must be unique")
             names[node.name] = index
             nodes.append(node)
         validate.total_bytes([fixed] + [n.out_bytes + n.tmp_bytes for n in nodes], where)
@@ -146,7 +137,8 @@ def _node_from_dict(raw, where: str, index: int) -> GraphNode:
             raise MemschedError(f"{where}.deps[{k}] must be a node index (a whole number), got {dep!r}")
         if not 0 <= dep < index:
             raise MemschedError(f"{where}.deps[{k}] = {dep}: a dependency must be an earlier node, 0 to {index - 1} "
-                                "(nodes are in a topological order, so a later or own index is a cycle or a wrong order)")
+                                "(nodes are in a topological order, so a later or own index is a cycle "
+                                "or a wrong order)")
         if dep in seen:
             raise MemschedError(f"{where}.deps[{k}] = {dep} is listed twice")
         seen.add(dep)
@@ -174,43 +166,3 @@ def load_graph(path) -> Graph:
 def save_graph(graph: Graph, path) -> None:
     """Write ``graph`` atomically as ``memsched.graph/1``."""
     write_json_atomic(Path(path), graph.to_dict())
-
-
-def schedule_with_frees(graph: Graph, order) -> tuple:
-    """The operations that compute the nodes in ``order`` (node indices, repeats allowed), each value freed eagerly.
-
-    A computed value is freed right after the last computation that reads it
-    before the value is computed again (right after it is made when nothing
-    reads it then); ``keep`` values are never freed. No schedule computing in
-    this order holds less at any point. Frees after one computation come in
-    ascending node order.
-    """
-    order = list(order)
-    next_compute = [None] * len(order)  # position of the next computation of the same node
-    seen = {}
-    for position in reversed(range(len(order))):
-        next_compute[position] = seen.get(order[position])
-        seen[order[position]] = position
-    last_read = {}  # position of a computation -> position of the last read of its value (itself if none)
-    made_at = {}  # node -> position of the computation whose value is resident
-    for position, v in enumerate(order):
-        for dep in graph.nodes[v].deps:
-            if dep in made_at:
-                last_read[made_at[dep]] = position
-        made_at[v] = position
-        last_read[position] = position
-    frees = [[] for _ in order]
-    for position, v in enumerate(order):
-        if graph.nodes[v].keep and next_compute[position] is None:
-            continue
-        frees[last_read[position]].append(v)
-    ops = []
-    for position, v in enumerate(order):
-        ops.append(GraphOp("compute", v))
-        ops.extend(GraphOp("free", u) for u in sorted(frees[position]))
-    return tuple(ops)
-
-
-def store_all_graph_schedule(graph: Graph) -> tuple:
-    """Compute every node once in index order, freeing each non-``keep`` value right after its last consumer."""
-    return schedule_with_frees(graph, range(graph.size))

@@ -1,24 +1,13 @@
 """What a chain was measured on: the shapes and dtypes of its inputs and of each stage's parameters.
 
-A chain's bytes hold for these tensors only: the same stages on a larger batch, or a model with wider
-layers, allocate more than the chain says. ``memsched profile`` records them (``measured_on`` of
-``memsched.chain/1``), the solvers copy them into the plan (``problem.measured_on`` of
-``memsched.plan/1``), and running a chain or plan on other tensors is refused in one line naming the first
-difference (:func:`planner.execute.chain.apply_plan`, ``memsched train``, :func:`planner.execute.pipeline.run_pipeline`):
-
-* ``inputs``: each tensor of the example inputs ``(a_0, *extra)``, labelled by its position (``0`` the
-  first stage's input, ``1``... the extra inputs) and, inside a tuple or dict, its path (``0[1]``,
-  ``0['ids']``); other values (ints, None) are not recorded;
-* ``stages``: per stage, its parameters in ``named_parameters()`` order, by name (none for a plain
-  function).
-
-A tensor is written ``dtype[d0,d1,...]``: ``float32[4,128]``, a scalar ``float32[]``. Inputs are matched by
-label; parameters by position, so that a stage wrapped in another module (its names prefixed, as
-``nn.Sequential(stage, hook)`` or a DDP wrapper does) still matches: the names only label the message.
-Buffers are not recorded (their sizes follow the inputs or the parameters).
-
-torch is imported only by the functions that read live tensors, so the loaders and the solvers stay free
-of it.
+A chain's bytes hold for these tensors only. ``memsched profile`` records them (``measured_on`` of
+``memsched.chain/1``; the fields are in docs/formats.md), the solvers copy them into the plan, and running a
+chain or plan on other tensors is refused in one line naming the first difference
+(:func:`planner.execute.chain.apply_plan`, ``memsched train``, :func:`planner.execute.pipeline.run_pipeline`).
+Inputs are matched by label; parameters by position, so that a stage wrapped in another module (its names
+prefixed, as ``nn.Sequential(stage, hook)`` or a DDP wrapper does) still matches: the names only label the
+message. Buffers are not recorded (their sizes follow the inputs or the parameters). Reading them from live
+modules and tensors is planner/execute/records.py's job; this module stays torch-free.
 """
 
 import re
@@ -88,28 +77,29 @@ class MeasuredOn:
                                 "profile the model again")
         return cls(inputs=inputs, stages=tuple(_specs(stage, f"{where}.stages[{k}]") for k, stage in enumerate(stages)))
 
-    def check_stages(self, pairs, source: str) -> None:
-        """Refuse ``pairs`` (``[(name, module), ...]``) unless every stage has the recorded parameters."""
-        if len(pairs) != len(self.stages):
+    def check_stages(self, stages, source: str) -> None:
+        """Refuse ``stages`` (``[(name, parameter specs), ...]``, :func:`planner.execute.records.stage_specs`)
+        unless every stage has the recorded parameters."""
+        if len(stages) != len(self.stages):
             raise MemschedError(f"the {source} was measured on a model of {len(self.stages)} stages, this one has "
-                                f"{len(pairs)}; {_fix_model(source)}")
-        for k, ((name, module), recorded) in enumerate(zip(pairs, self.stages)):
-            difference = _parameter_difference(recorded, parameter_specs(module), source)
+                                f"{len(stages)}; {_fix_model(source)}")
+        for k, ((name, specs), recorded) in enumerate(zip(stages, self.stages)):
+            difference = _parameter_difference(recorded, specs, source)
             if difference:
                 raise MemschedError(f"stage {k} ({name}): {difference}; {_fix_model(source)}")
 
     def check_inputs(self, inputs, source: str, fix: str = None) -> None:
-        """Refuse ``inputs`` (the tuple ``(a_0, *extra)``) unless they are the recorded tensors; ``fix`` ends the
-        line."""
-        difference = _input_difference(self.inputs, input_specs(inputs), source)
+        """Refuse ``inputs`` (the specs of ``(a_0, *extra)``, :func:`planner.execute.records.input_specs`) unless
+        they are the recorded tensors; ``fix`` ends the line."""
+        difference = _input_difference(self.inputs, inputs, source)
         if difference:
             fix = fix or f"give the inputs the {source} was measured on, or profile the model again on these"
             raise MemschedError(f"{difference}; {fix}")
 
     def recorded_batch(self, inputs) -> Optional[int]:
         """Input 0's recorded first size (the batch of the built-in models and most factories) when that size is
-        all that differs in ``inputs``' input 0, else None: the batch to give instead."""
-        recorded, given = dict(self.inputs).get("0"), dict(input_specs(inputs)).get("0")
+        all that differs in ``inputs``' (input specs) input 0, else None: the batch to give instead."""
+        recorded, given = dict(self.inputs).get("0"), dict(inputs).get("0")
         if recorded is None or given is None or not recorded.shape or len(recorded.shape) != len(given.shape):
             return None
         same_rest = recorded.dtype == given.dtype and recorded.shape[1:] == given.shape[1:]
@@ -160,27 +150,3 @@ def _parameter_difference(recorded: tuple, actual: tuple, source: str) -> Option
     where = f"in the {source}" if len(recorded) > len(actual) else "in the model"
     return (f"{len(recorded)} parameters in the {source}, {len(actual)} in the model (the first extra one: {name} "
             f"{spec} {where})")
-
-
-def measured_on(pairs, inputs) -> MeasuredOn:
-    """What ``pairs`` (``[(name, module), ...]``) run on ``inputs`` (the tuple ``(a_0, *extra)``) are."""
-    return MeasuredOn(inputs=input_specs(inputs), stages=tuple(parameter_specs(module) for _, module in pairs))
-
-
-def input_specs(inputs) -> tuple:
-    """``((label, TensorSpec), ...)`` for the tensors of ``inputs``: ``0``, ``1``..., ``0['ids']`` inside a dict."""
-    import torch
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
-    leaves, _ = tree_flatten_with_path(tuple(inputs))
-    return tuple((f"{path[0].idx}{keystr(path[1:])}", TensorSpec.of(leaf)) for path, leaf in leaves
-                 if isinstance(leaf, torch.Tensor))
-
-
-def parameter_specs(module) -> tuple:
-    """``((name, TensorSpec), ...)`` for the parameters of a stage (none for a plain function)."""
-    import torch
-
-    if not isinstance(module, torch.nn.Module):
-        return ()
-    return tuple((name, TensorSpec.of(parameter)) for name, parameter in module.named_parameters())

@@ -1,6 +1,8 @@
-"""The operations of a schedule: their names and the two op types (chain :class:`Op`, graph :class:`GraphOp`).
+"""The operations of a schedule: their names, the two op types (chain :class:`Op`, graph :class:`GraphOp`), and
+what a chain schedule says without its chain (:func:`activation_read`, :func:`host_weight_stages`,
+:func:`planned_stages`).
 
-The semantics of each operation are in docs/model.md.
+The semantics of each operation are in docs/model.md, "The operations".
 """
 
 from typing import NamedTuple, Optional
@@ -40,3 +42,21 @@ class GraphOp(NamedTuple):
 
     def to_dict(self) -> dict:
         return {"op": self.kind, "node": self.node}
+
+
+def activation_read(op: Op, length: int) -> Optional[int]:
+    """The index ``i`` of the activation ``a_i`` a compute operation on a chain of ``length`` stages reads:
+    ``a_L`` for ``Loss``, ``a_i`` for ``F_* i`` and ``B i``; None for a transfer."""
+    if op.kind == "Loss":
+        return length
+    return None if op.kind in TRANSFER_OPS else op.stage
+
+
+def host_weight_stages(schedule) -> frozenset:
+    """The stages whose parameters live on the host between steps: those whose ``weights`` the schedule moves."""
+    return frozenset(op.stage for op in schedule if op.what == "weights")
+
+
+def planned_stages(schedule) -> int:
+    """The number of stages a chain schedule runs: one more than the highest stage it computes (0 if none)."""
+    return 1 + max((op.stage for op in schedule if op.stage is not None and op.kind not in TRANSFER_OPS), default=-1)

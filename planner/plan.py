@@ -1,53 +1,25 @@
 """The plan: a schedule of operations and what the simulator predicts for it.
 
-Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON
-(docs/formats.md). The operations on a chain are those of Beaumont et al.,
-"Optimal checkpointing for heterogeneous chains" (arXiv 1911.13214):
-
-* ``F_all i``  forward of stage i with autograd; keeps ``ā_{i+1}`` for its backward;
-* ``F_ck i``   forward of stage i without autograd; keeps its input ``a_i``;
-* ``F_none i`` forward of stage i without autograd; frees its input ``a_i`` once used;
-* ``Loss``     the loss and its backward, producing ``δ_L``;
-* ``B i``      backward of stage i, producing ``δ_i``.
-
-Offload plans add transfers over the copy channel (planner/transfer.py) of
-*items*: ``saved i`` is ``ā_{i+1}``, what ``F_all i`` keeps; ``input i`` is
-``a_i`` held on its own (a checkpoint, i >= 1); ``weights i`` and ``grads i``
-are stage i's parameters and their gradients, for a stage whose parameters
-live on the host:
-
-* ``Offload i what``  start copying the item to the host (its device copy stays);
-* ``Release i what``  wait for that copy to end, then free the device copy;
-* ``Prefetch i what`` allocate the device copy and start copying it back; the
-  first operation that reads the item waits for the copy to end.
-
-The plan then records the ``transfer`` channel it was solved for
-(planner/simulate/offload.py gives the rules).
-
-A plan of kind ``graph`` schedules a graph problem (planner/graph.py) with
-:class:`GraphOp`: ``compute v`` runs node v, ``free v`` releases its value
-(the graph simulator, planner/simulate/graph.py, gives the rules).
-
-A plan of kind ``pipeline`` runs a chain on several devices (solvers/partition.py): instead of one
-``schedule`` it has a :class:`Pipeline`, with per device its stage range and its own chain schedule (stage
-indices of the whole chain; on a device other than the last, ``Loss`` is the arrival of the gradient of its
-last output from the next device). The pipeline simulator (planner/simulate/pipeline.py) gives the rules.
-
-A plan of a chain that records what it was measured on carries a copy of that record
-(``problem.measured_on``, :class:`planner.measured_on.MeasuredOn`), so that the executors can check the
-model's stages and inputs without the chain.
+Every solver returns a :class:`Plan`; on disk it is ``memsched.plan/1`` JSON (docs/formats.md). A plan of
+kind ``chain`` has a schedule of :class:`planner.ops.Op` (with transfers over its ``transfer`` channel for an
+offload plan), one of kind ``graph`` a schedule of :class:`planner.ops.GraphOp`, and one of kind
+``pipeline`` a :class:`Pipeline` whose devices carry their own chain schedules. What each operation does is
+in docs/model.md. :func:`check_plan_matches` refuses a plan on a problem other than the one it was solved
+for; :func:`load_plan` checks the fields only (:func:`planner.simulate.check_plan_schedules` replays the
+schedules without the problem).
 """
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import planner.validate as validate
-from planner.chain import Chain
 from planner.errors import MemschedError
+from planner.graph import Graph
 from planner.jsonio import read_json, write_json_atomic
 from planner.measured_on import MeasuredOn
 from planner.ops import FORWARD_OPS, GRAPH_OPS, ITEMS, OPS, TRANSFER_OPS, GraphOp, Op
 from planner.shared import shared_from_list
+from planner.training_setup import TrainingSetup
 from planner.transfer import Transfer
 
 PLAN_FORMAT = "memsched.plan/1"
@@ -146,7 +118,8 @@ class Plan:
         if self.kind == "graph":
             computed = [op.node for op in self.schedule if op.kind == "compute"]
             return len(computed) - len(set(computed))
-        return sum(op.kind in FORWARD_OPS for op in self.schedule) - len({op.stage for op in self.schedule if op.kind in FORWARD_OPS})
+        return (sum(op.kind in FORWARD_OPS for op in self.schedule)
+                - len({op.stage for op in self.schedule if op.kind in FORWARD_OPS}))
 
     def to_dict(self) -> dict:
         """The ``memsched.plan/1`` JSON object."""
@@ -203,27 +176,33 @@ class Plan:
             raise MemschedError(f"{where}: solver.optimal must be true or false")
         return cls(
             kind=kind,
-            problem_name=validate.text(validate.require(problem, "name", f"{where}: problem"), f"{where}: problem.name"),
+            problem_name=validate.text(validate.require(problem, "name", f"{where}: problem"),
+                                       f"{where}: problem.name"),
             fingerprint=validate.text(validate.require(problem, "fingerprint", f"{where}: problem"),
                                       f"{where}: problem.fingerprint"),
             solver=validate.text(validate.require(solver, "name", f"{where}: solver"), f"{where}: solver.name"),
             params=params,
-            solve_seconds=validate.non_negative_seconds(solver.get("solve_seconds", 0.0), f"{where}: solver.solve_seconds"),
+            solve_seconds=validate.non_negative_seconds(solver.get("solve_seconds", 0.0),
+                                                        f"{where}: solver.solve_seconds"),
             optimal=optimal,
             gap=_gap(solver.get("gap"), f"{where}: solver.gap"),
-            budget_bytes=validate.non_negative_bytes(validate.require(data, "budget_bytes", where), f"{where}: budget_bytes"),
+            budget_bytes=validate.non_negative_bytes(validate.require(data, "budget_bytes", where),
+                                                     f"{where}: budget_bytes"),
             predicted=Predicted(
                 peak_bytes=validate.non_negative_bytes(validate.require(predicted, "peak_bytes", f"{where}: predicted"),
                                                        f"{where}: predicted.peak_bytes"),
                 time=validate.non_negative_seconds(validate.require(predicted, "time", f"{where}: predicted"),
                                                    f"{where}: predicted.time"),
                 baseline_time=validate.non_negative_seconds(
-                    validate.require(predicted, "baseline_time", f"{where}: predicted"), f"{where}: predicted.baseline_time"),
+                    validate.require(predicted, "baseline_time", f"{where}: predicted"),
+                    f"{where}: predicted.baseline_time"),
             ),
-            schedule=() if kind == "pipeline" else (_graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
+            schedule=() if kind == "pipeline" else (
+                _graph_schedule_from_list if kind == "graph" else _schedule_from_list)(
                 validate.require(data, "schedule", where), f"{where}: schedule"),
             pipeline=pipeline if kind == "pipeline" else None,
-            transfer=None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer"),
+            transfer=None if data.get("transfer") is None else Transfer.from_dict(data["transfer"],
+                                                                                  f"{where}: transfer"),
             measured_on=None if problem.get("measured_on") is None else MeasuredOn.from_dict(
                 problem["measured_on"], f"{where}: problem.measured_on"),
         )
@@ -243,7 +222,6 @@ def _pipeline_from_dict(raw, where: str) -> Pipeline:
     latency = validate.non_negative_seconds(raw.get("latency", 0.0), f"{where}.latency")
     setup = _object(validate.require(raw, "setup", where), f"{where}.setup")
     try:
-        from planner.training_setup import TrainingSetup
         TrainingSetup(**setup)
     except TypeError as exc:
         raise MemschedError(f"{where}.setup: {exc}; expected fields optimizer, precision, zero, dp") from None
@@ -356,62 +334,36 @@ def _graph_schedule_from_list(raw, where: str) -> tuple:
     for here, item in _operations(raw, where, '{"op": "compute", "node": 3}'):
         kind = validate.require(item, "op", here)
         if kind not in GRAPH_OPS:
-            raise MemschedError(f"{here}: unknown op {kind!r} in a plan of kind 'graph'; expected one of {', '.join(GRAPH_OPS)}")
+            raise MemschedError(f"{here}: unknown op {kind!r} in a plan of kind 'graph'; "
+                                f"expected one of {', '.join(GRAPH_OPS)}")
         validate.reject_unknown(item, ("op", "node"), here)
         ops.append(GraphOp(kind, _index(item, "node", here)))
     return tuple(ops)
 
 
-def _check_kind(plan: Plan, kind: str, plan_where: str) -> None:
-    if plan.kind != kind:
+def check_plan_matches(plan: Plan, problem, where: str = "plan", kind: str = None) -> None:
+    """Refuse to use ``plan`` on a problem (a :class:`planner.chain.Chain` or :class:`planner.graph.Graph`)
+    other than the one it was solved for, or of another kind: ``kind`` when given, else any kind for that
+    problem (``chain`` or ``pipeline`` for a chain, ``graph`` for a graph). ``where`` names the plan."""
+    kinds = (kind,) if kind else ("graph",) if isinstance(problem, Graph) else ("chain", "pipeline")
+    if plan.kind not in kinds:
         other = {"graph": "graph (memsched.graph/1)", "pipeline": "pipeline of a chain (memsched.chain/1)"}.get(
             plan.kind, "chain (memsched.chain/1)")
-        raise MemschedError(f"{plan_where} is a plan of kind '{plan.kind}', for a {other}, not for a {kind}; "
-                            f"give the {plan.kind} it was solved for, or solve this {kind}")
-
-
-def check_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
-    """Refuse to use ``plan`` on a chain other than the one it was solved for."""
-    _check_kind(plan, "chain", plan_where)
-    actual = chain.fingerprint()
+        raise MemschedError(f"{where} is a plan of kind '{plan.kind}', for a {other}, not for a {kinds[0]}; "
+                            f"give the {plan.kind} it was solved for, or solve this {kinds[0]}")
+    noun = "graph" if plan.kind == "graph" else "chain"
+    actual = problem.fingerprint()
     if plan.fingerprint != actual:
         raise MemschedError(
-            f"{plan_where} was solved for chain '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
-            f"not for chain '{chain.name}' ({actual[:19]}…); solve again for this chain"
-        )
-
-
-def check_pipeline_plan_matches(plan: Plan, chain: Chain, plan_where: str = "plan") -> None:
-    """Refuse to use a pipeline ``plan`` on a chain other than the one it was solved for."""
-    _check_kind(plan, "pipeline", plan_where)
-    actual = chain.fingerprint()
-    if plan.fingerprint != actual:
-        raise MemschedError(
-            f"{plan_where} was solved for chain '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
-            f"not for chain '{chain.name}' ({actual[:19]}…); solve again for this chain"
-        )
-
-
-def check_graph_plan_matches(plan: Plan, graph, plan_where: str = "plan") -> None:
-    """Refuse to use ``plan`` on a graph (:class:`planner.graph.Graph`) other than the one it was solved for."""
-    _check_kind(plan, "graph", plan_where)
-    actual = graph.fingerprint()
-    if plan.fingerprint != actual:
-        raise MemschedError(
-            f"{plan_where} was solved for graph '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
-            f"not for graph '{graph.name}' ({actual[:19]}…); solve again for this graph"
+            f"{where} was solved for {noun} '{plan.problem_name}' ({plan.fingerprint[:19]}…), "
+            f"not for {noun} '{problem.name}' ({actual[:19]}…); solve again for this {noun}"
         )
 
 
 def load_plan(path) -> Plan:
-    """Read and validate a ``memsched.plan/1`` file, its chain or pipeline schedules included: one that cannot
-    run (a backward skipped or repeated, no ``Loss``...) is refused here, before anything runs
-    (:func:`planner.simulate.chain.check_plan_schedules`)."""
-    from planner.simulate.chain import check_plan_schedules  # the simulator reads plans: imported when used
-
-    plan = Plan.from_dict(read_json(path), where=str(path))
-    check_plan_schedules(plan, str(path))
-    return plan
+    """Read and validate a ``memsched.plan/1`` file, field by field; whether its schedules can run is
+    :func:`planner.simulate.check_plan_schedules`' question (the command line asks it of every plan it reads)."""
+    return Plan.from_dict(read_json(path), where=str(path))
 
 
 def save_plan(plan: Plan, path) -> None:

@@ -8,7 +8,8 @@ form (planner.units.format_bytes).
 import statistics
 
 from planner.ops import FORWARD_OPS, TRANSFER_OPS
-from planner.units import format_bytes
+from planner.training_setup import ITEMS
+from planner.units import describe_bytes, format_bytes
 
 # Categories of operations, with the letter the ASCII timeline uses for each.
 CATEGORY_LETTERS = {"forward": "F", "recomputed forward": "R", "loss": "L", "backward": "B", "transfer": "T"}
@@ -23,11 +24,6 @@ def format_percent(fraction: float) -> str:
     """A fraction as a percentage with one decimal: 0.1503 -> ``15.0%``."""
     # Adding 0.0 turns the -0.0 that rounding a tiny negative float gives into 0.0.
     return f"{round(fraction * 100, 1) + 0.0:.1f}%"
-
-
-def describe_bytes(count: int) -> str:
-    """Bytes and their human form: ``506811045 bytes (483.3 MiB)``."""
-    return f"{count} bytes ({format_bytes(count)})"
 
 
 def op_categories(ops) -> list:
@@ -76,17 +72,19 @@ def graph_timeline(result, plan, categories, width: int = 60) -> list:
     return lines
 
 
-def _schedule_groups(schedule) -> list:
-    """Consecutive ops of one kind over consecutive stages as one range: ``F_all 5-19``, ``B 19-5``."""
-    groups = []  # [kind, first stage, last stage, direction (+1, -1 or 0 while single), what]
-    for op in schedule:
-        if groups and op.stage is not None:
+def _ranges(items, steps=(1, -1)) -> list:
+    """``(kind, index, what)`` items as ranges: consecutive items of one kind and ``what`` whose index moves by
+    one of ``steps``, always the same way, become one (``F_all 5-19``, ``B 19-5``); an index of None stands
+    alone (``Loss``)."""
+    groups = []  # [kind, first index, last index, direction (a step, or 0 while single), what]
+    for new_kind, index, new_what in items:
+        if groups and index is not None:
             kind, first, last, direction, what = groups[-1]
-            step = op.stage - last if last is not None else None
-            if (kind, what) == (op.kind, op.what) and step in (1, -1) and direction in (0, step):
-                groups[-1] = [kind, first, op.stage, step, what]
+            step = index - last if last is not None else None
+            if (kind, what) == (new_kind, new_what) and step in steps and direction in (0, step):
+                groups[-1] = [kind, first, index, step, what]
                 continue
-        groups.append([op.kind, op.stage, op.stage, 0, op.what])
+        groups.append([new_kind, index, index, 0, new_what])
     return [(kind if first is None else f"{kind} {first}" if first == last else f"{kind} {first}-{last}")
             + (f" {what}" if what else "") for kind, first, last, _, what in groups]
 
@@ -96,8 +94,18 @@ def compact_schedule(schedule, width: int = None) -> str:
 
     One line, or with ``width`` lines of at most ``width`` characters broken between ranges.
     """
+    return _wrapped(_ranges((op.kind, op.stage, op.what) for op in schedule), width)
+
+
+def compact_graph_schedule(schedule, width: int = None) -> str:
+    """A graph schedule as ascending ranges: ``compute 0-5, free 2, compute 6, free 0-1``, as
+    :func:`compact_schedule` breaks them."""
+    return _wrapped(_ranges(((op.kind, op.node, None) for op in schedule), steps=(1,)), width)
+
+
+def _wrapped(items, width) -> str:
     lines, line = [], ""
-    for item in _schedule_groups(schedule):
+    for item in items:
         candidate = f"{line}, {item}" if line else item
         if width is not None and line and len(candidate) + 1 > width:
             lines.append(line + ",")
@@ -112,12 +120,30 @@ def _solver_text(plan, requested: str = None) -> str:
     return f"{plan.solver}{chosen}" + (f", {params}" if params else "")
 
 
+def optimality(plan, gap: bool = False) -> str:
+    """``yes`` or ``no``; with ``gap``, ``no (gap 1.5% to the solver's bound)`` when the solver reported one."""
+    if plan.optimal:
+        return "yes"
+    return "no" if not gap or plan.gap is None else f"no (gap {format_percent(plan.gap)} to the solver's bound)"
+
+
 def solve_summary(plan, requested: str, result=None) -> list:
-    """Lines describing a fresh plan: solver, peak against budget, step time, overhead, recomputations, solve time
-    (and for an offload plan its channel, with its simulation ``result`` the copies and stalls)."""
+    """Lines describing a fresh chain plan: solver, peak against budget, step time, overhead, recomputations,
+    solve time (and for an offload plan its channel, with its simulation ``result`` the copies and stalls)."""
+    return _summary(plan, requested, "chain", f"{plan.recomputed_forwards} forwards", transfer_lines(plan, result),
+                    optimality(plan))
+
+
+def graph_solve_summary(plan, requested: str) -> list:
+    """:func:`solve_summary` for a fresh graph plan: its recomputations, and the gap of a plan not proven optimal."""
+    return _summary(plan, requested, "graph", f"{plan.recomputed_forwards} computations", [],
+                    optimality(plan, gap=True))
+
+
+def _summary(plan, requested, problem: str, recomputed: str, transfers: list, optimal: str) -> list:
     predicted = plan.predicted
     return [
-        f"chain      {plan.problem_name}",
+        f"{problem:<10} {plan.problem_name}",
         f"solver     {_solver_text(plan, requested)}",
         f"budget     {describe_bytes(plan.budget_bytes)}",
         f"peak       {describe_bytes(predicted.peak_bytes)}, "
@@ -125,9 +151,9 @@ def solve_summary(plan, requested: str, result=None) -> list:
         f"step time  {format_seconds(predicted.time)} per training step "
         f"(no recomputation: {format_seconds(predicted.baseline_time)})",
         f"overhead   {format_percent(predicted.overhead)} over no recomputation",
-        f"recomputed {plan.recomputed_forwards} forwards",
-        *transfer_lines(plan, result),
-        f"solved in  {format_seconds(plan.solve_seconds)}, optimal: {'yes' if plan.optimal else 'no'}",
+        f"recomputed {recomputed}",
+        *transfers,
+        f"solved in  {format_seconds(plan.solve_seconds)}, optimal: {optimal}",
     ]
 
 
@@ -154,17 +180,60 @@ def transfer_lines(plan, result=None) -> list:
 
 
 def plan_header(plan) -> list:
-    """Lines naming a stored plan's problem and solver, with its budget and predicted peak, time and overhead."""
+    """Lines naming a stored chain plan's problem and solver, with its budget and predicted peak, time and
+    overhead."""
+    return _header(plan, " (optimal)" if plan.optimal else "", f"{plan.recomputed_forwards} forwards recomputed")
+
+
+def graph_plan_header(plan) -> list:
+    """:func:`plan_header` for a stored graph plan: optimal or not (with its gap), and its recomputations."""
+    return _header(plan, f" (optimal: {optimality(plan, gap=True)})", f"{plan.recomputed_forwards} recomputations")
+
+
+def _header(plan, optimal: str, recomputed: str) -> list:
     predicted = plan.predicted
     return [
         f"plan for   {plan.problem_name} ({plan.fingerprint[:19]}...)",
-        f"solver     {_solver_text(plan)}" + (" (optimal)" if plan.optimal else ""),
+        f"solver     {_solver_text(plan)}{optimal}",
         f"budget     {describe_bytes(plan.budget_bytes)}",
         f"peak       {describe_bytes(predicted.peak_bytes)} predicted",
         f"step time  {format_seconds(predicted.time)} predicted, overhead {format_percent(predicted.overhead)}",
         *transfer_lines(plan),
-        f"schedule   {len(plan.schedule)} operations, {plan.recomputed_forwards} forwards recomputed:",
+        f"schedule   {len(plan.schedule)} operations, {recomputed}:",
     ]
+
+
+def plan_lines(plan, result=None) -> list:
+    """A stored chain plan: :func:`plan_header` and the schedule; with its re-simulation ``result``, the simulated
+    peak and time, the copies and stalls of an offload plan, and the ASCII memory timeline."""
+    lines = plan_header(plan) + ["  " + line for line in compact_schedule(plan.schedule, width=76).splitlines()]
+    if result is not None:
+        lines += [""] + simulation_lines(plan, result) + transfer_lines(plan, result)[1:]
+        lines += [""] + ascii_timeline(result, plan.budget_bytes)
+    return lines
+
+
+def graph_plan_lines(plan, graph=None, result=None) -> list:
+    """A stored graph plan: :func:`graph_plan_header` and the schedule; with its ``graph`` and re-simulation
+    ``result``, the simulated peak and time and the memory timeline (:func:`graph_timeline`)."""
+    lines = graph_plan_header(plan)
+    lines += ["  " + line for line in compact_graph_schedule(plan.schedule, width=76).split("\n")]
+    if result is not None:
+        categories = graph_op_categories(plan.schedule, graph)
+        lines += [""] + simulation_lines(plan, result) + [""] + graph_timeline(result, plan, categories)
+    return lines
+
+
+def shown_plan_lines(plan, graph=None, result=None) -> list:
+    """``memsched show``: :func:`plan_lines`, :func:`graph_plan_lines` or :func:`pipeline_lines` by the plan's kind;
+    with its re-simulation ``result`` (and, for a graph plan, its ``graph``), what the simulation adds."""
+    if plan.kind == "graph":
+        return graph_plan_lines(plan, graph, result)
+    if plan.kind != "pipeline":
+        return plan_lines(plan, result)
+    if result is None:
+        return pipeline_lines(plan)
+    return pipeline_lines(plan) + [""] + simulation_lines(plan, result) + [""] + pipeline_memory_lines(result)
 
 
 def pipeline_memory_lines(result) -> list:
@@ -177,7 +246,8 @@ def pipeline_memory_lines(result) -> list:
     for index, device in enumerate(result.devices):
         lines.append(f"{index:>6} {format_bytes(device.resident_bytes):>12} {format_bytes(device.buffer_bytes):>12} "
                      f"{format_bytes(device.gradient_bytes):>12} {format_bytes(device.micro.held):>12} "
-                     f"{device.in_flight:>9} {format_bytes(device.step_peak):>12} {format_bytes(device.peak_bytes):>12}")
+                     f"{device.in_flight:>9} {format_bytes(device.step_peak):>12} "
+                     f"{format_bytes(device.peak_bytes):>12}")
     return lines
 
 
@@ -249,15 +319,61 @@ def pareto_table(rows, solver_names, store_all_peak: int) -> list:
     return lines
 
 
+def pareto_report(chain, sweep, channel=None) -> list:
+    """``memsched pareto``'s text for a :class:`solvers.sweep.Sweep` of ``chain`` (over ``channel``, if any)."""
+    low, high = sweep.rows[0][0], sweep.rows[-1][0]  # the minimum feasible budget, the store-all peak
+    return [
+        f"chain {chain.name}: step-time overhead over no recomputation ({format_seconds(chain.compute_time)})",
+        f"budgets from the minimum feasible {describe_bytes(low)} to the store-all peak {describe_bytes(high)}",
+        *transfer_lines_for_channel(channel, "pofo: its table, not re-timed; offload_greedy: on store-all"),
+        "",
+        *pareto_table(sweep.rows, sweep.solvers, high),
+        "",
+        "— : that solver has no schedule within the budget",
+    ]
+
+
+def setup_lines(setup, parameters: int) -> list:
+    """``memsched memory``'s table for a :class:`planner.training_setup.TrainingSetup`: per item, bytes per
+    parameter and bytes per device for ``parameters``, then the resident bytes and those with gradients."""
+    per_parameter, sizes = setup.per_parameter(), setup.breakdown(parameters)
+    labels = {"params": "parameters", "grads": "gradients", "master": "fp32 master copy",
+              "optimizer": "optimizer state"}
+    lines = [f"setup      {setup.describe()}", "", f"{'per device':<18} {'bytes/param':>11} {'bytes':>16} {'':>11}"]
+    for item in ITEMS:
+        lines.append(f"{labels[item]:<18} {per_parameter[item]:>11.6g} {sizes[item]:>16} "
+                     f"{format_bytes(sizes[item]):>11}")
+    resident = setup.resident_bytes(parameters)
+    total = resident + sizes["grads"]
+    return lines + [f"{'resident':<18} {'':>11} {resident:>16} {format_bytes(resident):>11}   "
+                    "parameters + master copy + optimizer state, before the step",
+                    f"{'with gradients':<18} {'':>11} {total:>16} {format_bytes(total):>11}   "
+                    "gradients are made by the step, inside its budget", ""]
+
+
+def device_budget_lines(device_memory: int, budget: int, store_all_peak: int, least: int) -> list:
+    """The step budget a device of ``device_memory`` bytes leaves, against the chain's store-all peak and its
+    least feasible budget (bytes)."""
+    fits = ("fits without recomputation" if store_all_peak <= budget else
+            "fits with recomputation" if least <= budget else "does not fit even with recomputation")
+    return [f"device     {describe_bytes(device_memory)}",
+            f"budget     {describe_bytes(budget)} for the step: activations, temporaries and the "
+            "chain's parameter gradients (memsched solve --budget auto)",
+            f"step       store-all peak {describe_bytes(store_all_peak)}, least feasible "
+            f"{describe_bytes(least)}: {fits}"]
+
+
 def chain_table(chain) -> list:
     """A chain's stages as a table: times in milliseconds, sizes in binary units."""
-    header = f"{'stage':<14} {'fwd ms':>8} {'bwd ms':>8} {'out':>10} {'saved':>10} {'fwd tmp':>10} {'bwd tmp':>10} {'params':>10}"
+    header = (f"{'stage':<14} {'fwd ms':>8} {'bwd ms':>8} {'out':>10} {'saved':>10} {'fwd tmp':>10} {'bwd tmp':>10} "
+              f"{'params':>10}")
     lines = [header]
     for stage in chain.stages:
         lines.append(
             f"{stage.name[:14]:<14} {stage.fwd_time * 1e3:8.3f} {stage.bwd_time * 1e3:8.3f} "
             f"{format_bytes(stage.out_bytes):>10} {format_bytes(stage.saved_bytes):>10} "
-            f"{format_bytes(stage.fwd_tmp_bytes):>10} {format_bytes(stage.bwd_tmp_bytes):>10} {format_bytes(stage.param_bytes):>10}"
+            f"{format_bytes(stage.fwd_tmp_bytes):>10} {format_bytes(stage.bwd_tmp_bytes):>10} "
+            f"{format_bytes(stage.param_bytes):>10}"
         )
     lines.append(f"{'loss':<14} {'':>8} {chain.loss.bwd_time * 1e3:8.3f} {'':>10} {'':>10} {'':>10} "
                  f"{format_bytes(chain.loss.tmp_bytes):>10}")
@@ -289,15 +405,37 @@ def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
 
 
-def training_table(plan, measured, plain) -> list:
-    """Per step: measured against predicted peak and time; then the planned steps against the unmodified model's
-    (measured alternately with them): the largest peak of each, the median time with its range, and
-    :func:`time_comparison`."""
+class ProgressLine:
+    """A :func:`progress_bar` of ``total`` items redrawn in place on ``stream`` when it is a terminal or ``total`` is
+    over 20: call it with each finished item's index (from 0) and label (the last ends the line); :meth:`end` ends
+    a line that an error or Ctrl-C left open, so that the message has its own."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.stream, self.open = total, stream, False
+
+    def __call__(self, done: int, label: str) -> None:
+        if self.stream.isatty() or self.total > 20:
+            end = "\n" if done + 1 == self.total else ""
+            print("\r" + progress_bar(done + 1, self.total, label), end=end, file=self.stream, flush=True)
+            self.open = not end
+
+    def end(self) -> None:
+        if self.open:
+            print(file=self.stream, flush=True)
+            self.open = False
+
+
+def training_table(plan, comparison) -> list:
+    """Per step of a :class:`profiles.training.Comparison`: measured against predicted peak and time; then the
+    planned steps against the unmodified model's (measured alternately with them): the largest peak of each, the
+    median time with its range, and :func:`time_comparison`."""
     predicted = plan.predicted
+    measured, plain = comparison.planned, comparison.plain
     lines = [f"{'step':>4} {'loss':>9} {'measured peak':>15} {'predicted':>11} {'ratio':>6} {'budget':>6} "
              f"{'measured s':>11} {'predicted s':>11}"]
     for number, step in enumerate(measured, 1):
-        lines.append(f"{number:4d} {step.loss:9.4f} {format_bytes(step.peak_bytes):>15} {format_bytes(predicted.peak_bytes):>11} "
+        lines.append(f"{number:4d} {step.loss:9.4f} {format_bytes(step.peak_bytes):>15} "
+                     f"{format_bytes(predicted.peak_bytes):>11} "
                      f"{step.peak_bytes / predicted.peak_bytes:6.3f} {step.peak_bytes / plan.budget_bytes:6.3f} "
                      f"{step.seconds:11.4f} {predicted.time:11.4f}")
     peak = max(step.peak_bytes for step in measured)

@@ -2,19 +2,11 @@
 its output head).
 
 A chain counts a shared parameter once, in the ``param_bytes`` of the **last** stage that reads it (its
-backward runs first and makes the gradient; the earlier stages' backwards add theirs into it, their
-``bwd_tmp_bytes`` covering the gradient they make before adding it). That is exact on one device. A
-pipeline that puts those stages on different devices gives each device a copy of the parameter, its
-gradient and its optimizer state, and sums the copies' gradients after the backward
-(planner/simulate/pipeline.py counts them, planner/execute/pipeline.py runs it). The chain's optional ``shared``
-list records them (``memsched.chain/1``, docs/formats.md):
-
-``{"name": "embed.tok.weight", "stages": [0, 5], "bytes": 4194304}``: the parameter's name at its first
-stage, the stages that read it (ascending, at least two), and its bytes in the units of ``param_bytes``
-(fp32 storage bytes), which are part of the last stage's ``param_bytes``.
-
-:func:`shared_parameters` finds them in live stages (parameters needing gradients, by identity); torch is
-not imported here, so the loaders and the solvers stay free of it.
+backward runs first and makes the gradient; the earlier stages' backwards add theirs into it). That is exact
+on one device; a pipeline that puts those stages on different devices gives each device a copy (counted by
+planner/simulate/pipeline.py, docs/model.md; summed by planner/execute/pipeline.py). The chain's optional
+``shared`` list records them (its fields are in docs/formats.md, ``memsched.chain/1``).
+planner/execute/records.py finds them in live stages (parameters needing gradients, by identity).
 """
 
 from dataclasses import dataclass
@@ -82,27 +74,3 @@ def _entry(item, where: str, length: int) -> SharedParameter:
                             f"order, got {stages!r}")
     return SharedParameter(name=name, stages=tuple(stages),
                            bytes=validate.non_negative_bytes(validate.require(item, "bytes", where), f"{where}.bytes"))
-
-
-def shared_parameters(pairs) -> tuple:
-    """The parameters (needing gradients) that several of the live stages ``[(name, module), ...]`` read, in the
-    order of their first stage, each named ``stage.parameter`` at its first stage."""
-    return tuple(entry for entry, _ in find_shared(pairs))
-
-
-def find_shared(pairs) -> list:
-    """``[(SharedParameter, the parameter), ...]`` for :func:`shared_parameters`."""
-    import torch
-
-    found = {}  # id -> (name, stages, parameter)
-    for k, (stage_name, module) in enumerate(pairs):
-        if not isinstance(module, torch.nn.Module):
-            continue
-        for name, parameter in module.named_parameters():
-            if not parameter.requires_grad:
-                continue
-            entry = found.setdefault(id(parameter), (f"{stage_name}.{name}", [], parameter))
-            if k not in entry[1]:
-                entry[1].append(k)
-    return [(SharedParameter(name=name, stages=tuple(stages), bytes=parameter.untyped_storage().nbytes()), parameter)
-            for name, stages, parameter in found.values() if len(stages) > 1]

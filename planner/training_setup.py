@@ -1,66 +1,13 @@
-"""The memory of everything besides activations: parameters, gradients and optimizer state.
+"""The memory of everything besides activations: parameters, gradients and optimizer state (no torch).
 
-A chain's budget (docs/formats.md) bounds what one training step allocates: the input, activations, their
-gradients, temporaries and parameter gradients. The model's parameters, the fp32 master copy of mixed
+A chain's budget bounds what one training step allocates. The parameters, the fp32 master copy of mixed
 precision and the optimizer's state exist before the step starts and stay after it: they are *resident*.
-This module sizes them per device for an optimizer, a precision and a ZeRO stage over ``dp`` data-parallel
-ranks (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020),
-and turns a device's memory into the budget that is left for the chain's step.
-
-Bytes per parameter before sharding (no torch needed)::
-
-    precision       params  grads  master
-    fp32               4      4      0
-    bf16, fp16         2      2      4      (mixed precision)
-
-    optimizer       state (any precision)
-    sgd                0
-    momentum           4
-    adam               8
-    adam8bit           2.03125
-
-* ``bf16``/``fp16`` mean mixed precision: 16-bit parameters and gradients used by the step, and an fp32
-  master copy of the parameters that the optimizer updates. Mixed-precision Adam is 2 + 2 + 4 + 8 = 16 bytes
-  per parameter, the paper's ``2Ψ + 2Ψ + KΨ`` with ``K = 12`` (master copy and two fp32 moments).
-* ``momentum``: one fp32 buffer; ``adam``: two fp32 moments (AdamW is the same).
-* ``adam8bit`` (bitsandbytes' ``Adam8bit``, Dettmers et al. 2022): two 1-byte states plus one fp32 absmax
-  per 256-element block for each of them, ``2 + 2 * 4 / 256 = 2.03125`` bytes. Assumed: every tensor is a
-  whole number of blocks and is quantised. Not modelled: bitsandbytes keeps tensors of fewer than 4096
-  elements (``min_8bit_size``) in fp32 states (8 bytes), rounds each tensor up to whole blocks, and holds two
-  256-entry fp32 quantisation maps (2 KiB) per optimizer.
-
-ZeRO over ``N = dp`` ranks divides, per device:
-
-* stage 0: nothing (plain data parallelism: every rank holds everything);
-* stage 1: the optimizer state **and the fp32 master copy** (the paper's "optimizer states" include the
-  master weights of mixed precision) by ``N``;
-* stage 2: also the gradients;
-* stage 3: also the parameters.
-
-Sharded sizes are exact fractions (``P * bytes / N``), rounded up to whole bytes per item. The paper's
-Figure 1 example (``Ψ = 7.5e9``, ``K = 12``, ``N = 64``, Adam mixed precision) gives 120 GB, 31.4 GB,
-16.6 GB and 1.9 GB per device for stages 0 to 3 (GB = 1e9 bytes). Not modelled: ZeRO's communication
-buckets (a gradient bucket exists in full before it is reduce-scattered; stage 3 gathers a layer's full
-parameters while it runs), padding of shards, and the allocator's fragmentation.
-
-**The chain's budget.** Chain profiles are measured in fp32: a stage's ``param_bytes`` are the fp32
-gradients of its parameters, which the chain model already counts inside the step (made by each backward,
-kept to its end). So :func:`parameters_of` is ``sum(param_bytes) / 4`` (rounded up), and
-:func:`activation_budget` is::
-
-    device_memory - resident_bytes(P) - max(0, gradient_bytes(P) - sum(param_bytes))
-
-The chain's own gradients stand in for the setup's. With fp32 and ZeRO 0-1 they are the same bytes (the
-last term is at most the 3 bytes of rounding ``P`` up), and the budget is exact in the chain model. With
-16-bit gradients or ZeRO 2-3 the setup's gradients are smaller than the chain's, and the chain model
-over-counts them by ``sum(param_bytes) - gradient_bytes(P)`` once every backward has run; that difference
-is **not** credited to the budget, since a plan's peak usually falls during the backward, when only part of
-the gradients exist and only part of the difference would be saved. The budget is therefore safe for any
-schedule of the unmodified chain (so a plan for it still matches ``CHAIN.json``) and conservative by at
-most that difference. To plan exactly with the setup's gradients, solve :func:`setup_chain` (every stage's
-``param_bytes`` scaled by ``gradient_bytes(P) / sum(param_bytes)``, rounded up) at ``device_memory -
-resident_bytes(P)``. Activations stay as profiled: a chain profiled in fp32 does not shrink its activations
-for ``bf16``; profile the model in the precision it trains in for that.
+:class:`TrainingSetup` sizes them per device for an optimizer, a precision and a ZeRO stage over ``dp``
+data-parallel ranks (exact bytes per parameter, each item rounded up to whole bytes).
+:func:`activation_budget` turns a device's memory into the budget left for the chain's step (``--budget
+auto``) and :func:`describe_auto_budget` says how; :func:`setup_chain` scales a chain's gradients to a setup's.
+The byte tables, the ZeRO sharding rules, and why the budget is safe (and by how much it is conservative)
+are in docs/model.md, "Whole-step memory".
 """
 
 import dataclasses
@@ -69,6 +16,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from planner.errors import MemschedError
+from planner.units import describe_bytes, format_bytes
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adam8bit")
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16: mixed precision with an fp32 master copy
@@ -163,7 +111,7 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
 
     ``device_memory - resident_bytes(P) - max(0, gradient_bytes(P) - sum(param_bytes))`` with
     ``P = parameters_of(chain)``: the chain's fp32 gradients stand in for the setup's, which are never larger
-    (16-bit or ZeRO-sharded gradients are smaller; the difference is not credited, see the module docstring).
+    (16-bit or ZeRO-sharded gradients are smaller; the difference is not credited: docs/model.md).
     A one-line :class:`MemschedError` when nothing is left.
     """
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
@@ -192,3 +140,19 @@ def setup_chain(chain, setup: TrainingSetup):
     stages = tuple(dataclasses.replace(stage, param_bytes=-(-stage.param_bytes * target // total))
                    for stage in chain.stages)
     return dataclasses.replace(chain, stages=stages)
+
+
+def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str:
+    """How :func:`activation_budget` comes from ``device_memory`` bytes: ``device ... - resident ... for P
+    parameters (setup)``, with the gradients beyond the chain's it takes off, and a note when the chain counts
+    more gradient bytes than the setup has."""
+    parameters = parameters_of(chain)
+    how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(setup.resident_bytes(parameters))} "
+           f"for {parameters} parameters ({setup.describe()})")
+    extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
+    if extra_gradients:
+        how += f" - {extra_gradients} bytes of gradients beyond the chain's"
+    if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain):
+        how += (f"; the chain counts its fp32 gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
+                f"are {format_bytes(setup.gradient_bytes(parameters))}")
+    return how

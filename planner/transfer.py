@@ -6,24 +6,19 @@ issued. A transfer of ``n`` bytes occupies its engine ``latency + n /
 bandwidth`` seconds. Bandwidths are bytes per second; a bandwidth of 0 means
 no channel in that direction (nothing can be offloaded).
 
-``memsched profile`` measures the channel on CUDA with pinned host memory;
-elsewhere the user gives it (``--bandwidth 12GB/s``). In a chain file it is the
-optional ``transfer`` object; a plan that moves data records the channel it was
-solved for, so its prediction does not depend on where the chain came from.
+``memsched profile`` measures the channel on CUDA with pinned host memory; elsewhere the user gives it
+(``--bandwidth 12GB/s``, read by :func:`planner.units.parse_bandwidth`). In a chain file it is the optional
+``transfer`` object; a plan that moves data records the channel it was solved for, so its prediction does
+not depend on where the chain came from.
 """
 
 import math
-import re
 from dataclasses import dataclass
-from decimal import Decimal
 
 import planner.validate as validate
 from planner.errors import MemschedError
 
 TRANSFER_FIELDS = ("d2h_bandwidth", "h2d_bandwidth", "latency")
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(?:/\s*s)?\s*$")
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass(frozen=True)
@@ -60,19 +55,5 @@ class Transfer:
         return cls(**values)
 
 
-NO_TRANSFER = Transfer(0.0, 0.0, 0.0)
-
-
 def _bandwidth(value, where: str) -> float:
     return validate.bandwidth(value, where, zero="no channel that way")
-
-
-def parse_bandwidth(text: str, what: str = "--bandwidth") -> float:
-    """Bytes per second from ``16GB/s``, ``12GiB/s``, ``800MB`` or ``1.5e10`` (decimal and binary units)."""
-    match = _RATE.match(str(text))
-    factor = _UNITS.get((match.group(2) or "b").lower()) if match else None
-    if factor is None:
-        raise MemschedError(f"{what}: cannot read {text!r}; write a rate like 16GB/s or 12GiB/s")
-    number = Decimal(match.group(1))
-    value = float(number * factor) if number.adjusted() <= 30 else math.inf  # 1e31 or more: out of range
-    return validate.bandwidth(value, f"{what} {text!r}")

@@ -139,6 +139,7 @@ def format_tag(data: dict, family: str, version: int, where: str) -> None:
         return
     if isinstance(tag, str) and tag.startswith(f"memsched.{family}/"):
         raise MemschedError(
-            f"{where}: format '{tag}' is not supported; this memsched reads '{expected}' (re-create the file or upgrade memsched)"
+            f"{where}: format '{tag}' is not supported; this memsched reads '{expected}' "
+            f"(re-create the file or upgrade memsched)"
         )
     raise MemschedError(f"{where}: format is {tag!r}, expected '{expected}'; is this a memsched {family} file?")

@@ -1,39 +1,14 @@
 """Measure a model split into stages into a ``memsched.chain/1`` problem (bytes and seconds).
 
-Stage ``k`` is called as ``module(a_k, *extra)``: ``a_0`` is the first
-example input, ``a_{k+1}`` stage k's output (a tensor, or a tuple/dict of
-tensors, passed as-is), and the extra example inputs (an attention mask,
-position ids) are passed unchanged to every stage. Per stage, what the chain
-model needs (planner/chain.py), measured as the simulator will use it:
-
-* ``out_bytes``: the distinct storages of the output;
-* ``saved_bytes``: what autograd keeps for the stage's backward (through
-  ``saved_tensors_hooks``), the stage's input, the extra inputs, parameters
-  and buffers left out, the output included;
-* ``own_saved_bytes``: the same without the outputs the hooks did not see
-  (an output the stage's backward does not read, freed once no later
-  operation reads it);
-* ``fwd_tmp_bytes``: the autograd forward's peak above ``saved_bytes``;
-  ``nograd_tmp_bytes``: the no-grad forward's peak above ``out_bytes``;
-* ``bwd_tmp_bytes``: the backward's peak above the input gradient (sized as
-  the input, as the simulator sizes it), the parameter gradients made by then
-  included;
-* ``param_bytes``: the parameter gradients this stage's backward creates (a
-  parameter shared by several stages belongs to the last of them);
-* times: the median of ``repeats`` runs after ``warmup``, with CUDA events on a
-  GPU, a wall clock elsewhere; the loss's time covers its forward and backward.
-
-Memory comes from one run under the live-memory tracker on CPU (CUDA's own
-statistics on a GPU), timing from separate runs without it. With
-``estimate=True`` the model and inputs must have been built under one
-``FakeTensorMode`` (see :func:`build_fake`): sizes are then exact and
-allocate nothing, and times are FLOPs (``FlopCounterMode``) divided by a
-stated throughput. The model is left as it was: buffers such as BatchNorm's
-running statistics and the random number generators are restored.
-
-The chain records what it was measured on (``measured_on``): the shape and dtype
-of every example input tensor and of every stage's parameters, which the
-executors check before running a plan of it (planner/measured_on.py).
+:func:`profile_chain` runs each stage (called ``module(a_k, *extra)``, as
+:class:`planner.execute.stages.StagedModel` says) and measures what the chain model needs
+(planner/chain.py) as the simulator will use it: ``out_bytes``, ``saved_bytes``, ``own_saved_bytes``, the
+forward, no-grad and backward temporaries, ``param_bytes`` and the times; memory from one run under the
+live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separate runs without it. With
+``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (:func:`build_fake`):
+sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
+left as it was (buffers and random number generators restored). The chain records what it was measured on
+(``measured_on``), which the executors check. What each field counts: docs/execution.md ("Chain profiler").
 """
 
 import contextlib
@@ -42,16 +17,28 @@ import statistics
 import time
 
 import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.execute.chain import _accumulate
-from planner.execute.capture import checked_device, default_loss, quiet_fake_tensor_log  # noqa: F401 (used by the CLI)
-from planner.measured_on import measured_on
-from planner.shared import shared_parameters
-from planner.execute.stages import named_stages, preserved_state
-from profiles.memory import LiveMemoryTracker, memory_meter, storage_bytes, storages
+from planner.execute.autograd import accumulate_grads
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.records import measured_on, shared_parameters
+from planner.execute.stages import (
+    StagedModel,
+    checked_device,
+    default_loss,
+    named_stages,
+    preserved_state,
+    quiet_fake_tensor_log,
+)
+from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -69,8 +56,6 @@ def build_fake(factory):
     :func:`fake_copies` replaces its tensors by fake ones. Tensors the loss
     closes over (targets) stay real: the mode takes them as constants.
     """
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
@@ -82,13 +67,11 @@ def build_fake(factory):
 
 
 def fake_copies(mode, built):
-    """``built`` (a :class:`profiles.zoo.ChainModel`, or ``(stages, example_inputs[, loss_fn])``) with the
+    """``built`` (a :class:`planner.execute.stages.StagedModel`, or ``(stages, example_inputs[, loss_fn])``) with the
     parameters and buffers of its stages replaced in place by fake tensors of ``mode`` of the same shape,
     strides, dtype, device and ``requires_grad`` (a parameter shared by two modules stays one), and its tensor
     inputs by fake copies; anything else is left as it is for the profiler to judge."""
-    from profiles.zoo import ChainModel
-
-    if isinstance(built, ChainModel):
+    if isinstance(built, StagedModel):
         _fake_modules(mode, [module for _, module in built.stages])
         return dataclasses.replace(built, example_inputs=_fake_tree(mode, built.example_inputs))
     if not isinstance(built, tuple) or len(built) not in (2, 3):
@@ -181,8 +164,6 @@ def _tensors(tree) -> list:
 
 
 def _fake_mode(pairs, inputs):
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for tensor in _tensors(inputs) + [p for _, m in pairs if isinstance(m, torch.nn.Module) for p in m.parameters()]:
         if isinstance(tensor, FakeTensor):
             return tensor.fake_mode
@@ -196,7 +177,8 @@ def _device_of(inputs) -> torch.device:
 
 
 def _parameter_owners(modules) -> list:
-    """Per stage, the parameters (needing gradients) whose gradient its backward creates: the last user owns a shared one."""
+    """Per stage, the parameters (needing gradients) whose gradient its backward creates: the last user owns a
+    shared one."""
     seen, owners = set(), [[] for _ in modules]
     for k in reversed(range(len(modules))):
         module = modules[k]
@@ -228,7 +210,7 @@ class _Runner:
             packed = {}  # storage key -> bytes; no references kept, so the backward frees as it goes
 
             def pack(tensor):
-                packed.update(storages([tensor]))
+                packed.update(storages([tensor]))  # noqa: F821 (closure, later del)
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -287,13 +269,13 @@ class _Runner:
             with torch.enable_grad():
                 output = [last_stage(_fresh_input(last_input, needs_grad))]
             start = meter.current
-            _guarded_loss(lambda: measure(output))
+            _guarded_loss(lambda: measure(output))  # noqa: F821 (closure, later del)
             peak = meter.peak - start
         with self._meter() as meter:  # the loss's forward alone, its input still held (as a pipeline's last stage)
             with torch.enable_grad():
                 output = last_stage(_fresh_input(last_input, needs_grad))
             start = meter.current
-            value = _guarded_loss(lambda: forward(output))
+            value = _guarded_loss(lambda: forward(output))  # noqa: F821 (closure, later del)
             saved = meter.current - start
             del value, output
         seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: measure([activation]))))
@@ -400,7 +382,7 @@ def _backward(outputs, stage_input, module) -> None:
 
     ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
     chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
-    The parameter gradients go into ``.grad`` as the executor puts them (``planner.execute.chain._accumulate``:
+    The parameter gradients go into ``.grad`` as the executor puts them (``planner.execute.autograd.accumulate_grads``:
     autograd's layout rule, so a gradient AccumulateGrad would copy is copied here too, at either thread count).
     """
     differentiable = [t for t in outputs if t.requires_grad]
@@ -413,8 +395,8 @@ def _backward(outputs, stage_input, module) -> None:
     else:
         root = sum(_IncomingGradient.apply(t).sum() for t in differentiable)
     results = list(torch.autograd.grad(root, targets + parameters, allow_unused=True))
-    parameter_grads, results[len(targets):] = results[len(targets):], []  # _accumulate's alone (it frees them)
-    _accumulate(parameters, parameter_grads)
+    parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
+    accumulate_grads(parameters, parameter_grads)
 
 
 def _module_parameters(module) -> list:
@@ -444,7 +426,8 @@ def _guarded(k, stage_name, module, extra):
             raise
         except Exception as exc:  # a user's stage failing is an expected error: name it
             message = " ".join(str(exc).split())
-            raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: {type(exc).__name__}: {message}") from None
+            raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: "
+                                f"{type(exc).__name__}: {message}") from None
 
     return call
 
@@ -456,4 +439,5 @@ def _guarded_loss(run):
         raise
     except Exception as exc:
         message = " ".join(str(exc).split())
-        raise MemschedError(f"the loss function failed on the last stage's output: {type(exc).__name__}: {message}") from None
+        raise MemschedError(f"the loss function failed on the last stage's output: "
+                            f"{type(exc).__name__}: {message}") from None

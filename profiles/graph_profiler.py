@@ -1,27 +1,13 @@
 """Measure a model's whole training step as a graph problem (``memsched.graph/1``; bytes and seconds).
 
-:func:`profile_graph` captures the *joint* forward+backward graph of one step
-and groups its operations into at most ``nodes`` graph nodes
-(:func:`planner.execute.capture.capture`, whose docstring says what a node, its
-value, ``fixed_bytes``, ``keep`` and ``random`` are), then measures each group
-by running it.
-
-Why the bytes are exact for :mod:`planner.execute.graph`:
-
-* ``out_bytes`` is what one computation of the node leaves allocated (the
-  value's storages), ``tmp_bytes`` the node's peak above that and everything
-  resident before it, both measured with the live-memory tracker (CUDA's
-  allocator statistics on a GPU) while the node runs exactly as the executor
-  runs it (:class:`planner.execute.capture.StepRun`): operations in graph order,
-  each intermediate released after its last use inside the node.
-* ``time``: the median of ``repeats`` timed runs of the node after ``warmup``
-  runs of the whole step (wall clock on CPU, CUDA events on a GPU). With
-  ``estimate=True`` nothing is allocated: the step runs on fake tensors, sizes
-  come from them exactly and times are FLOPs over ``throughput``.
-
-Capturing the same model twice gives the same graph structure (names, deps,
-sizes), so :mod:`planner.execute.graph` can re-capture a model and check that
-a plan was solved for it.
+:func:`profile_graph` captures the *joint* forward+backward graph of one step, grouped into at most ``nodes``
+graph nodes (:func:`planner.execute.capture.capture`; docs/execution.md, "Graph capture", says what a node,
+its value, ``fixed_bytes``, ``keep`` and ``random`` are), then measures each group by running it exactly as
+the graph executor runs it (:class:`planner.execute.capture.GroupRun`): ``out_bytes`` is what one computation
+leaves allocated, ``tmp_bytes`` its peak above that and everything resident before it (the live-memory tracker
+on CPU, the allocator's statistics on CUDA), ``time`` the median of ``repeats`` timed runs after ``warmup``
+runs of the whole step. With ``estimate=True`` nothing is allocated: the step runs on fake tensors, sizes come
+from them exactly and times are FLOPs over ``throughput``.
 """
 
 import contextlib
@@ -31,15 +17,19 @@ import time
 import torch
 
 from planner.errors import MemschedError
+from planner.execute.capture import GroupRun, JointGraph, capture, preserved_joint_state
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.stages import quiet_fake_tensor_log
 from planner.graph import Graph, GraphNode
-from planner.execute.capture import JointGraph, StepRun, capture, preserved_joint_state, quiet_fake_tensor_log
+from planner.simulate.graph import store_all_graph_schedule
 from profiles.chain_profiler import DEFAULT_THROUGHPUT
-from profiles.memory import LiveMemoryTracker, memory_meter
+from profiles.memory import memory_meter
 
 
 def profile_graph(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, estimate=False, throughput=None,
                   device=None, warmup=1, repeats=3, name="model") -> Graph:
-    """Profile one training step of ``model_or_stages`` on ``example_inputs`` into a :class:`Graph` of at most ``nodes`` nodes.
+    """Profile one training step of ``model_or_stages`` on ``example_inputs`` into a :class:`Graph` of at most
+    ``nodes`` nodes.
 
     ``model_or_stages``: an ``nn.Module`` called as ``model(*example_inputs)``, or stages as for the chain
     profiler (each called ``stage(a_k, *extra)``); ``loss_fn(output) -> scalar`` (default: the output's mean;
@@ -64,8 +54,6 @@ def profile_graph(model_or_stages, example_inputs, loss_fn=None, *, nodes=200, e
 
 
 def _store_all(joint: JointGraph) -> tuple:
-    from planner.graph import store_all_graph_schedule
-
     shape = Graph(name="capture", fixed_bytes=0, nodes=tuple(
         GraphNode(name=g.name, time=0.0, out_bytes=0, deps=g.deps, keep=g.keep) for g in joint.groups))
     return store_all_graph_schedule(shape)
@@ -79,7 +67,7 @@ def _measure(joint: JointGraph, fake_mode, warmup: int, repeats: int, throughput
         fixed = joint.fixed_values(joint.example_inputs, fake_mode)
         meter = LiveMemoryTracker() if fake_mode else memory_meter(joint.device)
         with meter:
-            run = StepRun(joint, fixed)
+            run = GroupRun(joint, fixed)
             for op in schedule:
                 if op.kind == "free":
                     run.free(op.node)
@@ -102,7 +90,7 @@ def _times(joint: JointGraph, fixed: dict, schedule, warmup: int, repeats: int) 
     cuda = joint.device.type == "cuda"
     samples = [[] for _ in joint.groups]
     for repeat in range(warmup + repeats):
-        run = StepRun(joint, fixed)
+        run = GroupRun(joint, fixed)
         marks = {}
         for op in schedule:
             if op.kind == "free":

@@ -1,59 +1,13 @@
-"""Live memory, measured honestly: one tracker for the profiler, the executor and the tests.
+"""Live memory, measured honestly: one meter for the profilers, the executors and the tests.
 
-On CPU torch keeps no allocator statistics, so :class:`LiveMemoryTracker`
-follows storages itself: a ``TorchDispatchMode`` that sees every operation,
-counts the storage of each tensor returned by a *non-aliasing* result (views
-such as ``t()`` or ``detach()`` of a parameter allocate nothing), keyed by
-storage, and releases it through ``weakref.finalize`` when the storage dies.
-It reports the bytes allocated since the window opened (current and peak);
-what existed before (parameters, the input) is not counted. Open a window with
-gradients already ``None`` and optimizer state already created.
-
-On CUDA ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` are the
-truth; :func:`memory_meter` picks the right one for a device.
+On CPU :class:`planner.execute.live_memory.LiveMemoryTracker` follows storages itself; on CUDA
+``torch.cuda.memory_allocated`` / ``max_memory_allocated`` are the truth. :func:`memory_meter` picks the right
+one for a device; :func:`storage_bytes` counts what tensors hold.
 """
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class LiveMemoryTracker(TorchDispatchMode):
-    """Bytes of storages allocated inside the ``with`` block and still alive; and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self._live = {}  # storage key -> bytes
-        self.current = 0
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        for schema, result in zip(func._schema.returns, results):
-            if schema.alias_info is None:
-                for tensor in result if isinstance(result, (tuple, list)) else (result,):
-                    if isinstance(tensor, torch.Tensor):
-                        self._allocated(tensor.untyped_storage())
-        return out
-
-    def _allocated(self, storage) -> None:
-        key = storage._cdata
-        if key in self._live:
-            return
-        size = storage.nbytes()
-        self._live[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._released, key)
-
-    def _released(self, key) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        """Start a new peak window at the current level."""
-        self.peak = self.current
+from planner.execute.live_memory import LiveMemoryTracker
 
 
 class CudaMemoryMeter:

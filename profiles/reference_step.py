@@ -11,21 +11,13 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten
 
-from profiles.chain_profiler import default_loss
+from planner.execute.stages import default_loss, run_stages
 from profiles.memory import memory_meter, storage_bytes
-
-
-def _forward(model):
-    activation = model.example_inputs[0]
-    extra = model.example_inputs[1:]
-    for _, module in model.stages:
-        activation = module(activation, *extra)
-    return activation
 
 
 def _run(model) -> None:
     """``loss_fn(model(x)).backward()``: as usual, nothing but autograd holds the model's output."""
-    (model.loss_fn or default_loss)(_forward(model)).backward()
+    (model.loss_fn or default_loss)(run_stages(model.stages, model.example_inputs)).backward()
 
 
 def _parameters(model) -> list:

@@ -15,15 +15,17 @@ import sys
 from pathlib import Path
 
 from planner.errors import MemschedError
+from planner.execute.stages import StagedModel, default_loss, named_stages
 from profiles import zoo
+from profiles.chain_profiler import build_fake
 
 _module_counter = itertools.count()
 
 
 def load_model(spec: str, *, batch: int = None, estimate: bool = False):
-    """``(model, fake_mode)``: the :class:`profiles.zoo.ChainModel` that ``spec`` names, its parameters, buffers
-    and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that mode,
-    else None; see :func:`profiles.chain_profiler.build_fake`)."""
+    """``(model, fake_mode)``: the :class:`planner.execute.stages.StagedModel` that ``spec`` names, its parameters,
+    buffers and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that
+    mode, else None; see :func:`profiles.chain_profiler.build_fake`)."""
     if _is_file_spec(spec):
         path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")
         factory = _file_factory(Path(path + ".py"), function or "build", batch)
@@ -35,8 +37,6 @@ def load_model(spec: str, *, batch: int = None, estimate: bool = False):
         factory = lambda: zoo.build(model_name, **options)  # noqa: E731
         name = model_name
     if estimate:
-        from profiles.chain_profiler import build_fake
-
         mode, built = _call(lambda: build_fake(factory), spec)
         return _as_model(built, name, spec), mode
     return _as_model(_call(factory, spec), name, spec), None
@@ -63,7 +63,8 @@ def _file_factory(path: Path, function: str, batch):
     if batch is None:
         return factory
     if "batch" not in inspect.signature(factory).parameters:
-        raise MemschedError(f"{path}:{function}() takes no 'batch' argument, so --batch cannot be applied; add one or drop --batch")
+        raise MemschedError(f"{path}:{function}() takes no 'batch' argument, so --batch cannot be applied; "
+                            f"add one or drop --batch")
     return lambda: factory(batch=batch)
 
 
@@ -77,22 +78,20 @@ def _call(factory, spec):
 
 
 def _as_model(built, name, spec):
-    if isinstance(built, zoo.ChainModel):
+    if isinstance(built, StagedModel):
         return built
     if not isinstance(built, tuple) or len(built) not in (2, 3):
-        raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) or (stages, example_inputs, loss_fn), "
-                            f"got {type(built).__name__}" + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
+        raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) "
+                            f"or (stages, example_inputs, loss_fn), "
+                            f"got {type(built).__name__}"
+                            + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
     stages, example_inputs = built[0], built[1]
-    from planner.execute.stages import named_stages
-    from profiles.chain_profiler import default_loss
-
     loss_fn = built[2] if len(built) == 3 else default_loss
     if not callable(loss_fn):
         raise MemschedError(f"{spec}: the factory's loss_fn must be callable, got {type(loss_fn).__name__}")
-
-    return zoo.ChainModel(name=name, stages=named_stages(stages),
-                          example_inputs=example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
-                          loss_fn=loss_fn)
+    return StagedModel(name=name, stages=named_stages(stages),
+                       example_inputs=example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
+                       loss_fn=loss_fn)
 
 
 def _one_line(exc) -> str:

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from planner.chain import Chain, Loss, Stage
+from planner.graph import Graph, GraphNode
 
 
 def random_chain(length: int, seed: int = 0, *, homogeneous: bool = False, tmp: bool = False, params: bool = False,
@@ -40,7 +41,8 @@ def random_chain(length: int, seed: int = 0, *, homogeneous: bool = False, tmp: 
               bwd_tmp_bytes=int(bwd_tmp[pick(i)]), param_bytes=int(param[pick(i)]))
         for i in range(length)
     )
-    loss = Loss(bwd_time=float(round(rng.uniform(0.0, 0.002), 6)), tmp_bytes=int(rng.integers(0, scale_bytes)) if tmp else 0)
+    loss = Loss(bwd_time=float(round(rng.uniform(0.0, 0.002), 6)),
+                tmp_bytes=int(rng.integers(0, scale_bytes)) if tmp else 0)
     input_bytes = int(rng.integers(scale_bytes // 5, 2 * scale_bytes))
     if own_saved:
         unread = [int(rng.integers(0, s.out_bytes + 1)) if rng.random() < 0.5 else 0 for s in stages]
@@ -110,8 +112,6 @@ def random_graph(rng, nodes: int, *, shape: str = "random", skip: float = 0.3, d
     times about twice the forward ones; ``tmp`` adds transient bytes. The node count is exactly ``nodes``
     when the parameter gradients allow it (graphs of at least 5 nodes in practice), else one more.
     """
-    from planner.graph import Graph, GraphNode
-
     if shape not in _SHAPES:
         raise ValueError(f"shape must be one of {', '.join(_SHAPES)}, got {shape!r}")
     if nodes < 3:
@@ -150,7 +150,8 @@ def random_graph(rng, nodes: int, *, shape: str = "random", skip: float = 0.3, d
         fname, deps, _, _ = forward[i]
         upstream = sorted(grad_of.get(i, []))
         if i in param_nodes:
-            graph_nodes.append(GraphNode(name=f"{fname}.wgrad", time=_backward_time(rng, fwd_time[i]), out_bytes=int(out[i] // 4) + 1,
+            graph_nodes.append(GraphNode(name=f"{fname}.wgrad", time=_backward_time(rng, fwd_time[i]),
+                                         out_bytes=int(out[i] // 4) + 1,
                                          deps=tuple(upstream + deps), tmp_bytes=tmp_bytes(), backward=True,
                                          params=(f"{fname}.weight",), keep=True))
         if i == 0:

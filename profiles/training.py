@@ -1,7 +1,8 @@
 """Training steps, measured: the planned model and the unmodified one, step by step (bytes and seconds).
 
-The two are measured alternately (:func:`measure_alternately`), so that a load
-on the machine that comes and goes slows both alike rather than one of them.
+:func:`train_and_compare` trains by a planned step and, for reference, the
+unmodified model; the two are measured alternately (:func:`measure_alternately`),
+so that a load on the machine that comes and goes slows both alike.
 
 Each measured window is one forward, loss and backward, opened with gradients
 set to ``None`` and the optimizer's state already created; ``optimizer.step()``
@@ -11,13 +12,20 @@ allocates, by the live-memory tracker on CPU and by CUDA's allocator
 statistics on a GPU. Times are wall clock with synchronisation.
 """
 
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from planner.execute.chain import apply_plan
+from planner.execute.graph import GraphExecutor
+from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
+from planner.execute.records import input_specs, stage_specs
+from planner.execute.stages import default_loss, named_stages, run_stages
 from profiles.memory import memory_meter, storage_bytes
+from profiles.spec import built_model
 
 
 @dataclass(frozen=True)
@@ -29,12 +37,12 @@ class StepMeasure:
     loss: float
 
 
-def plain_forward(stages, inputs):
-    """The unmodified model: every stage in order, with autograd."""
-    activation, extra = inputs[0], inputs[1:]
-    for _, module in stages:
-        activation = module(activation, *extra)
-    return activation
+@dataclass(frozen=True)
+class Comparison:
+    """Steps by a plan and of the unmodified model, measured alternately: a :class:`StepMeasure` per step."""
+
+    planned: list
+    plain: list
 
 
 def autograd_step(forward, loss_fn, inputs):
@@ -98,3 +106,82 @@ def measure_alternately(planned_step, plain_step, parameters, optimizer, steps: 
 def input_bytes(inputs) -> int:
     """Bytes of the distinct storages of the tensors in ``inputs``."""
     return storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
+
+
+def on_device(stages, inputs, device) -> tuple:
+    """``(stages, inputs)`` on ``device``: the stages as ``(name, module)`` pairs moved there, the tensor inputs
+    copied there (other inputs as they are)."""
+    moved = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
+    return [(name, module.to(device)) for name, module in named_stages(stages)], moved
+
+
+def trainable_parameters(stages) -> list:
+    """The parameters of ``(name, module)`` pairs that require gradients, each once (shared ones too)."""
+    return list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
+                 for p in module.parameters() if p.requires_grad}.values())
+
+
+def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
+                      lr: float = 1e-3) -> Comparison:
+    """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
+    by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
+    :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
+
+    One Adam optimizer at ``lr`` updates the trainable parameters after every step; its state is created before
+    the first measured step, as in steady state. ``resident_bytes`` is what the plan's prediction counts as
+    already allocated (the inputs for a chain, ``fixed_bytes`` for a graph): both runs' peaks count it.
+    """
+    parameters = trainable_parameters(stages)
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    plain_step = autograd_step(lambda *xs: run_stages(stages, xs), loss_fn or default_loss, inputs)
+    planned, plain = measure_alternately(planned_step, plain_step, parameters, optimizer, steps, device,
+                                         resident_bytes)
+    return Comparison(planned=planned, plain=plain)
+
+
+def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:
+    """:func:`train_and_compare` for a chain ``plan`` run by :func:`planner.execute.chain.apply_plan` on
+    ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None)."""
+    stages, inputs = on_device(model.stages, model.example_inputs, device)
+    step = autograd_step(apply_plan(stages, plan, chain), model.loss_fn or default_loss, inputs)
+    return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr)
+
+
+def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:
+    """:func:`train_and_compare` for a graph ``plan`` of ``graph`` run by
+    :class:`planner.execute.graph.GraphExecutor` (``model``: a staged model already on ``device``)."""
+    step = GraphExecutor(model, plan, graph).step
+    return train_and_compare(step, named_stages(model.stages), model.example_inputs, steps, device,
+                             graph.fixed_bytes, loss_fn=model.loss_fn, lr=lr)
+
+
+def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float = 1e-3, chain=None,
+                   progress_timeout: float = None) -> list:
+    """Train the model ``spec`` names (:func:`profiles.spec.built_model` at ``batch``) by a pipeline ``plan``,
+    one process per device (:func:`planner.execute.pipeline.run_pipeline`; ``progress_timeout`` seconds without a
+    finished step stop it, default :data:`DEFAULT_PROGRESS_TIMEOUT`); the lines of the run: per rank, the last
+    step's measured peak against the plan's device peak minus its resident state."""
+    pipe = plan.pipeline
+    timeout = DEFAULT_PROGRESS_TIMEOUT if progress_timeout is None else progress_timeout
+    results = run_pipeline(functools.partial(built_model, spec, batch=batch), plan, steps, meter=memory_meter,
+                           device=device, lr=lr, chain=chain, progress_timeout=timeout)
+    return [f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
+            f"{steps} steps on {device}"] + summary_lines(results)
+
+
+def check_measured_on(model, problem, source: str):
+    """Refuse, as a one-line :class:`planner.errors.MemschedError`, a ``problem`` (chain or plan, named by
+    ``source``) measured on other parameters or inputs than the staged ``model``'s; return a note when it
+    records none (a file from an older memsched), else None."""
+    if problem.measured_on is None:
+        return (f"note: the {source} records no input or parameter shapes (an older file): not checked against "
+                f"{model.name}")
+    problem.measured_on.check_stages(stage_specs(named_stages(model.stages)), source)
+    inputs = input_specs(model.example_inputs)
+    batch = problem.measured_on.recorded_batch(inputs)
+    problem.measured_on.check_inputs(inputs, source,
+                                     None if batch is None else f"profile again at this batch or pass --batch {batch}")
+    return None

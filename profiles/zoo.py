@@ -1,10 +1,4 @@
-"""Built-in models for the demo, the tests and the benchmarks, each split into a chain of stages.
-
-A :class:`ChainModel` holds the stages in chain order, example inputs and a loss. Stage ``k`` is
-called as ``module(a_k, *extra_args)``: ``a_0 = example_inputs[0]``, ``a_{k+1}`` is stage ``k``'s output
-(a tensor, or a tuple/dict of tensors passed as-is as the next stage's first argument), and
-``extra_args = example_inputs[1:]`` are passed unchanged to every stage (none for the built-in models).
-``loss_fn(a_L)`` returns a scalar; its targets are closed over.
+"""Built-in models for the demo, the tests and the benchmarks, each a :class:`planner.execute.stages.StagedModel`.
 
 Every model is built in train mode, in float32 on the CPU, and deterministically: two builds with the
 same options have identical parameters, buffers, inputs and targets (the builders seed a forked RNG and
@@ -22,27 +16,15 @@ line that names it and lists what is valid, with the defaults.
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import MemschedError
+from planner.execute.stages import StagedModel
 
 _F32 = {"dtype": torch.float32}
-
-
-@dataclass
-class ChainModel:
-    """A model split into a chain of stages, with example inputs and a loss (see the module docstring)."""
-
-    name: str
-    stages: list  # [(stage_name, nn.Module)] in chain order
-    example_inputs: tuple  # (first_stage_input, *extra_args)
-    loss_fn: Callable  # loss_fn(last_stage_output) -> scalar tensor
-    options: dict = field(default_factory=dict)  # the options it was built with, defaults filled in
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,7 +71,7 @@ def _fail(model: str, builder, message: str):
 # mlp
 
 
-def build_mlp(*, layers: int = 32, width: int = 128, batch: int = 2048) -> ChainModel:
+def build_mlp(*, layers: int = 32, width: int = 128, batch: int = 2048) -> StagedModel:
     """``layers`` stages ``Linear(width, width) + ReLU``; cross-entropy over ``width`` classes against fixed labels.
 
     (Not MSE: CPU ``mse_loss`` returns its scalar inside a batch-sized storage that fake tensors do not
@@ -106,7 +88,7 @@ def build_mlp(*, layers: int = 32, width: int = 128, batch: int = 2048) -> Chain
     def loss_fn(out):
         return F.cross_entropy(out, labels.to(out.device))  # the targets follow the model to its device
 
-    return ChainModel("mlp", stages, (x,), loss_fn, opts)
+    return StagedModel("mlp", stages, (x,), loss_fn, opts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,7 +166,7 @@ class GPTHead(nn.Module):
 
 
 def build_gpt_tiny(*, layers: int = 4, d: int = 128, heads: int = 4, seq: int = 64, vocab: int = 512,
-                   batch: int = 8, dropout: float = 0.1) -> ChainModel:
+                   batch: int = 8, dropout: float = 0.1) -> StagedModel:
     """A small GPT: ``embed``, ``block0..``, ``head``; cross-entropy against fixed random next tokens."""
     opts = _resolve("gpt-tiny", build_gpt_tiny, dict(layers=layers, d=d, heads=heads, seq=seq, vocab=vocab,
                                                       batch=batch, dropout=dropout))
@@ -202,7 +184,7 @@ def build_gpt_tiny(*, layers: int = 4, d: int = 128, heads: int = 4, seq: int = 
     def loss_fn(logits):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.to(logits.device))
 
-    return ChainModel("gpt-tiny", stages, (ids,), loss_fn, opts)
+    return StagedModel("gpt-tiny", stages, (ids,), loss_fn, opts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,7 +236,7 @@ class ResNetHead(nn.Module):
 
 
 def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, classes: int = 10,
-                      batch: int = 16) -> ChainModel:
+                      batch: int = 16) -> StagedModel:
     """A small ResNet on ``size`` x ``size`` RGB images: ``stem``, ``block0..``, ``head``; cross-entropy."""
     opts = _resolve("resnet-tiny", build_resnet_tiny, dict(blocks=blocks, channels=channels, size=size,
                                                             classes=classes, batch=batch))
@@ -269,7 +251,7 @@ def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, cl
     def loss_fn(logits):
         return F.cross_entropy(logits, labels.to(logits.device))
 
-    return ChainModel("resnet-tiny", stages, (images,), loss_fn, opts)
+    return StagedModel("resnet-tiny", stages, (images,), loss_fn, opts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +259,8 @@ def build_resnet_tiny(*, blocks: int = 4, channels: int = 32, size: int = 32, cl
 
 
 def _conv_block(cin: int, cout: int, convs: int = 1) -> nn.Sequential:
-    """``convs`` times Conv3x3 + ReLU (the first ``cin -> cout``, the others ``cout -> cout``), as one flat Sequential."""
+    """``convs`` times Conv3x3 + ReLU (the first ``cin -> cout``, the others ``cout -> cout``), as one flat
+    Sequential."""
     layers = []
     for k in range(convs):
         layers += [nn.Conv2d(cin if k == 0 else cout, cout, kernel_size=3, padding=1, **_F32), nn.ReLU()]
@@ -345,7 +328,7 @@ class UNetHead(nn.Module):
 
 
 def build_unet_tiny(*, levels: int = 2, channels: int = 8, size: int = 16, classes: int = 4,
-                    batch: int = 4, convs: int = 1) -> ChainModel:
+                    batch: int = 4, convs: int = 1) -> StagedModel:
     """A small U-Net with long skips: ``stem``, ``down0..``, ``middle``, ``up..0``, ``head``; per-pixel cross-entropy.
 
     Level k works at ``size / 2**k`` with ``channels * 2**k`` channels; ``down k`` hands its full-resolution
@@ -375,7 +358,7 @@ def build_unet_tiny(*, levels: int = 2, channels: int = 8, size: int = 16, class
     def loss_fn(logits):
         return F.cross_entropy(logits, labels.to(logits.device))
 
-    return ChainModel("unet-tiny", stages, (images,), loss_fn, opts)
+    return StagedModel("unet-tiny", stages, (images,), loss_fn, opts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,7 +379,7 @@ def _builder(name: str):
     return MODELS[name]
 
 
-def build(name: str, **options) -> ChainModel:
+def build(name: str, **options) -> StagedModel:
     """Build model ``name`` with ``options`` (the others at their defaults)."""
     builder = _builder(name)
     _resolve(name, builder, options)  # refuses unknown options before the builder's TypeError would

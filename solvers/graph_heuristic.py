@@ -1,28 +1,10 @@
 """A fast heuristic for graph schedules: the warm start of the exact graph solvers.
 
-It searches *retention-level* schedules, a subset of Checkmate's
-frontier-advancing class. Every value that some node reads gets a level:
-
-* ``KEEP`` (0): resident from its first computation to its last read (store-all);
-* ``DROP`` (1): resident after its first computation only while forward nodes
-  still read it, then freed; when a later stage needs it, it is recomputed
-  once and stays resident to its last read (the segment recomputation of
-  checkpointing: at most two computations);
-* ``FLUSH`` (2): resident only in the stage that computes it, recomputed by
-  every later stage that needs it.
-
-Stage ``t`` recomputes, in index order, every value ``t`` needs that is not
-resident (recursively, through their own dependencies), then computes ``t``;
-values are freed eagerly (:func:`planner.graph.schedule_with_frees`), which
-never holds more than the levels say. All levels ``KEEP`` is the store-all
-schedule.
-
-:func:`greedy_order` starts from store-all and, while the peak is above the
-budget, raises by one the level of the value resident at the peak that frees
-the most bytes per second of recomputation; then it lowers again, one at a
-time, the levels whose lowering keeps the schedule within the budget and does
-not make it slower. It proves nothing: it gives the exact solvers a feasible
-incumbent from the start.
+:func:`greedy_order` searches *retention-level* schedules (a subset of Checkmate's frontier-advancing class:
+each read value is kept, dropped after its forward readers and recomputed once, or flushed and recomputed by
+every later reader) from store-all, raising the level that frees the most bytes per second of recomputation
+until the peak fits, then lowering what still fits without slowing the schedule. It proves nothing: it gives
+the exact solvers a feasible incumbent. docs/solvers.md gives the levels and the search.
 """
 
 import time
@@ -35,7 +17,7 @@ KEEP, DROP, FLUSH = 0, 1, 2
 
 
 class LevelSchedules:
-    """Builds and measures retention-level schedules of one graph (see the module docstring)."""
+    """Builds and measures retention-level schedules of one graph (docs/solvers.md)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -121,7 +103,7 @@ class LevelSchedules:
 
 def greedy_order(graph: Graph, budget: int, time_limit: float = 5.0):
     """A frontier-advancing compute order whose eager-free schedule peaks within ``budget`` bytes, or None when the
-    greedy search finds none within ``time_limit`` seconds (see the module docstring): the faster of two greedy
+    greedy search finds none within ``time_limit`` seconds (docs/solvers.md): the faster of two greedy
     passes, one raising the best-scored value at each step, one trying the 8 best-scored and raising the one
     that removes the most bytes above the budget (summed over the computations) per second added."""
     started = time.perf_counter()

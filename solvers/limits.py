@@ -1,21 +1,11 @@
 """Time limits and Ctrl-C for every solver: one deadline per solve, tables filled in interruptible chunks.
 
-* :class:`Deadline`: one clock per solve, started at its entry point; every
-  phase (building a model, a heuristic, each solver call, a re-timing) is
-  given only what is left of it, and :class:`TimeLimitReached` says a phase
-  was stopped half-way, with how much of it was done, so that the entry
-  point can say what time limit would have been enough (:func:`enough_time`).
-* Numba kernels never look at signals, and a Ctrl-C that arrives while one
-  runs is raised when it returns, inside numba's boxing of its result (a
-  segmentation fault or a ``SystemError``). The tables are therefore filled
-  in place, by kernels that return nothing, over chunks of a few
-  milliseconds (:func:`fill_by_spans`), with the deadline checked between
-  chunks; the interrupt is then raised in Python between two chunks. A
-  kernel's compilation (the first solve after an install or an edit) is left
-  out of the deadline (:meth:`Deadline.exclude`).
-* :func:`run_interruptibly` runs a native solver (HiGHS, CP-SAT) in a worker
-  thread while the main thread waits, so that Ctrl-C reaches Python at once;
-  the solver is then asked to stop and the interrupt re-raised within a second.
+* :class:`Deadline`: one clock per solve; each phase gets what is left, and :class:`TimeLimitReached` says a
+  phase stopped half-way and how far it got (:func:`enough_time` rounds the limit to suggest).
+* :func:`fill_by_spans`: numba tables filled in chunks of a few milliseconds, so that a Ctrl-C is raised
+  between two kernel calls (never inside numba's boxing of a result).
+* :func:`run_interruptibly`: a native solver (HiGHS, CP-SAT) in a worker thread, stopped within a second on
+  Ctrl-C. docs/solvers.md explains why.
 """
 
 import math

@@ -1,73 +1,23 @@
 """Moccasin: the constraint-programming model of Bartan et al., "Moccasin: Efficient Tensor Rematerialization for
 Neural Networks" (ICML 2023), on a :class:`planner.graph.Graph`, with OR-Tools CP-SAT.
 
-Time is a sequence of integer slots, one computation per slot. Node ``v`` has
-up to ``C_v`` computations ``c`` (``C_v = max_computations``; 1 for a ``keep``
-node, never freed, and for a node nothing reads), each with
-
-* ``active[v,c]`` (the first computation is always active; ``c`` only if ``c-1``),
-* a slot ``s[v,c]``, all active slots distinct (a no-overlap of unit intervals),
-* a retention end ``e[v,c] > s[v,c]``: the value is resident during the slots
-  ``[s, e)``, from its computation until after its last use (to the end for a
-  ``keep`` value); the retention intervals of one node do not overlap (a
-  resident value is not computed again).
-
-Each active computation of ``v`` reads, for each dependency ``u``, one active
-computation of ``u`` with ``s[u,c'] < s[v,c] < e[u,c']`` (a Boolean choice per pair
-of computations). Memory is one cumulative constraint of capacity ``budget -
-fixed_bytes``: each retention interval demands ``out_bytes``, each computation's
-unit interval ``tmp_bytes``; so during the slot of ``v`` it holds every resident
-value, ``v``'s output and its temporary, as the graph simulator counts. The
-objective is the total compute time, with times as integers at the coarsest
-resolution ``10^-k`` s (``k <= 12``) that represents every node's time exactly
-(``10^-12`` s otherwise).
-
-``first_order`` chooses the order of the first computations, and so the class
-over which an ``OPTIMAL`` answer is exact:
-
-* ``"free"`` (default): any order (only the first computations of ``random``
-  nodes in index order, the problem's own rule): exact over every schedule
-  with at most ``C`` computations per node.
-* ``"index"``: the first computations of all nodes in index order, as in
-  Checkmate's frontier-advancing stages (:mod:`solvers.checkmate`), the
-  recomputations between them in any order and number (at most ``C``
-  computations per node in all): exact over that class. It contains
-  Checkmate's (which also puts each stage's recomputations in index order,
-  each node at most once per stage), so with ``C`` at least Checkmate's
-  largest computation count its optimum is never slower than Checkmate's; on
-  the random training graphs of the tests (24 to 30 nodes) the two are equal.
-  The fixed order also makes CP-SAT much faster.
-
-Implied constraints, in ``"free"`` mode (true of every schedule, so they remove
-none): the first computation of ``v`` comes after the first computation of each
-dependency. In ``"index"`` mode, the first computation of ``v`` is in a slot
-in ``[v, horizon - n + v]``; every active computation is in a slot below the
-number of active computations (no empty slot: an empty slot can be removed
-without changing memory or time); and a recomputation of ``v`` comes before
-the first computation of ``v``'s descendant of largest index (a recomputation
-that no first computation reads, directly or through other recomputations,
-can be dropped: memory only falls, time does not rise), so these keep the
-optimum.
-
-CP-SAT is hinted with the schedule of :func:`solvers.graph_heuristic.greedy_order`
-when it finds one within the budget that computes no node more than allowed
-(slots, retention ends and dependency choices of its eager-free schedule), or
-with a compute order given as ``hint`` (e.g. Checkmate's optimum, a schedule
-of both modes' classes when ``C`` covers its recomputations); a hint only
-guides the search.
-
-The schedule is the active computations in slot order with every value freed
-eagerly (:func:`planner.graph.schedule_with_frees`), which holds no more than
-the retention intervals. CP-SAT runs with two workers; ``OPTIMAL`` is reported
-as optimal, ``FEASIBLE`` (a time limit) with the gap to CP-SAT's bound.
+:func:`moccasin` finds the fastest schedule computing each node at most ``max_computations`` times within the
+budget (integer time slots, one computation each; retention intervals under one cumulative memory constraint),
+its first computations in any order (``first_order="free"``) or in index order (``"index"``, a class that
+contains Checkmate's). CP-SAT is hinted with the greedy schedule of :mod:`solvers.graph_heuristic` or a given
+compute order; ``OPTIMAL`` is reported as optimal, ``FEASIBLE`` (a time limit) with the gap to CP-SAT's bound.
+It returns a :class:`solvers.result.Solution` or raises :class:`solvers.result.NoSchedule`. docs/solvers.md
+states the model and its implied constraints.
 """
 
 from ortools.sat.python import cp_model
 
 from planner.errors import MemschedError
-from planner.graph import Graph, schedule_with_frees
-from solvers.checkmate import NoSchedule, _out_of_time
+from planner.graph import Graph
+from planner.simulate.graph import schedule_with_frees
+from solvers.graph_heuristic import greedy_order
 from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time, run_interruptibly
+from solvers.result import NoSchedule, Solution, out_of_time
 
 _WORKERS = 2
 FIRST_ORDERS = ("free", "index")  # first_order: the order of the first computations of the nodes
@@ -113,7 +63,7 @@ def _add_hints(model, graph, order, counts, horizon, active, start, end, uses) -
 
 def _index_order(model, graph, counts, horizon, active, start) -> None:
     """``first_order="index"``: the first computation of node ``v`` is in slot ``>= v`` and before that of ``v+1``,
-    and the implied constraints of that mode (see the module docstring)."""
+    and the implied constraints of that mode (docs/solvers.md)."""
     n = graph.size
     for v in range(n):
         model.Add(start[v, 0] >= v)
@@ -172,14 +122,11 @@ def moccasin(graph: Graph, budget: int, max_computations: int = 2, time_limit=No
     try:
         return _moccasin(graph, budget, max_computations, time_limit, hint, first_order, deadline)
     except TimeLimitReached as exc:
-        raise _out_of_time(time_limit, exc, f"{graph.size} nodes, {max_computations} computations each") from None
+        raise out_of_time(time_limit, exc, f"{graph.size} nodes, {max_computations} computations each") from None
 
 
 def _moccasin(graph: Graph, budget: int, max_computations: int, time_limit, hint, first_order: str,
               deadline: Deadline):
-    from solvers.graph import GraphSolution
-    from solvers.graph_heuristic import greedy_order
-
     if hint is None or hint is False:
         hint = None
     elif hint is not True:
@@ -271,4 +218,4 @@ def _moccasin(graph: Graph, budget: int, max_computations: int, time_limit, hint
         params["first_order"] = first_order
     if time_limit is not None:
         params["time_limit"] = time_limit
-    return GraphSolution(schedule_with_frees(graph, [v for _, v in order]), params=params, optimal=optimal, gap=gap)
+    return Solution(schedule_with_frees(graph, [v for _, v in order]), params=params, optimal=optimal, gap=gap)

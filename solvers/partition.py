@@ -1,65 +1,39 @@
 """Partition: the fastest contiguous split of a chain onto pipeline devices, with recomputation per device.
 
-Input: a chain profile (one micro-batch), ``P`` devices of ``memory`` bytes each, ``m`` micro-batches per
-iteration, the schedule (``1f1b`` or ``gpipe``), the activation channel between neighbouring devices
-(``bandwidth`` bytes/s and ``latency`` s; None: free) and the training setup
-(planner.training_setup.TrainingSetup: optimizer, precision, ZeRO stage, data-parallel ranks). Output: a plan of
-kind ``pipeline`` (planner/plan.py): per device its stages ``[first, last)`` and its own schedule.
-
-**Model** (planner/simulate/pipeline.py states it in full, and predicts every plan). Device ``s`` runs its
-stages as a standalone sub-chain (input: the activation it receives; loss: the chain's on the last device, else
-the arrival of the gradient from the next device). Per micro-batch it takes ``t_s`` seconds: its schedule's
-compute plus the boundary transfers it *sends* (``a_last`` forward, ``δ_first`` back, each
-``bytes / bandwidth + latency``). The iteration takes ``T = (m - 1) * max_s t_s + sum_s t_s + sum_s sync_s`` for both schedules
-(``sync_s``: once per step, the gradient sums of the copies a device holds of parameters shared with a later
-device's stages, the chain's ``shared``; each copy is counted in that device's memory as its own parameter).
-Device ``s`` starts ``k_s`` forwards before its first backward (``m`` for GPipe, ``min(m, P - s)`` for 1F1B) and
-its peak is found by walking its phases in PyTorch's order: its resident state and buffers (the ``m`` inputs and
-received gradients), its parameter gradients from its first backward on, each micro-batch held between forward
-and backward, what the engine still references of finished ones (pending sends), and the running phase's peak.
-
-**A device's schedule for a candidate range** (:meth:`PartitionProblem.option`), for stages ``[a, b)`` at
-``k`` forwards before the first backward, each judged by its exact device peak (the walk above):
-
-1. *store-all*, when it fits: it is the fastest;
-2. else the faster of the *least-memory schedule* (solvers/minimum.py) and *Rotor's schedule* at the highest
-   level of its table (solvers/rotor.py at ``slots`` units, computed once per range up to the sub-chain's
-   store-all peak) whose device peak fits, found by bisection over the levels (a level with more memory per
-   micro-batch gives a higher device peak; where that does not hold, a fitting level may be missed, never a
-   non-fitting one taken), whichever fit;
-3. else the range does not fit at that position.
-
-Rotor's table over the whole chain is not reused for sub-chains: its entry ``opt[a, b, m]`` runs the
-forwards of ``a..b`` with ``δ_{b+1}`` already held and counts the parameter gradients of later stages, which
-a standalone sub-chain (no gradient before its loss) does not; so each candidate sub-chain is solved on its
-own, and only where needed (below).
-
-**Exact dynamic program.** ``T`` is not a sum, so the bottleneck ``β`` is enumerated over the sorted distinct
-finite ``t`` values; for each, a min-sum DP over (prefix, devices used) with every ``t_s <= β`` gives
-``(m - 1) * β + Σ`` (``Σ`` of ``t_s + sync_s``), and the best over ``β`` is the optimum (for ``β`` = the optimum's
-bottleneck the DP's sum is at most the optimum's; any DP solution has true ``T`` at most its bound). The DPs run
-in numpy batches of ``β`` values, ascending, and stop once ``(m - 1) * β + Σ_unbounded`` exceeds the best found.
-Cost: ``O(B * P * L^2)`` for ``B <= P * L^2 / 2`` candidate values (usually a few hundred are enough), plus the
-options: store-all figures and the least-memory schedule for each of the ``L (L + 1) / 2`` ranges, and Rotor for
-the ranges that need recomputation and may be optimal: a range with ``m * t_lower > T_upper`` is skipped exactly
-(``T >= m * t_s`` for every device), where ``t_lower`` is its store-all time and ``T_upper`` the optimum with
-the least-memory schedule in place of Rotor's.
-
-**Infeasible**: a one-line :class:`MemschedError` with the smallest device memory that would fit (a min-max
-DP over each range's least requirement: the exact peak of store-all or of the least-memory schedule).
+Input: a chain profile (one micro-batch), ``P`` devices of ``memory`` bytes each, ``m`` micro-batches, the
+schedule (``1f1b`` or ``gpipe``), the activation channel between neighbours and the training setup
+(planner.training_setup.TrainingSetup). Output (:func:`partition`): a plan of kind ``pipeline``, per device its
+stages ``[first, last)`` and its own schedule (store-all, the least-memory schedule or Rotor's, judged by the
+exact device peak of planner/simulate/pipeline.py). :func:`solve_partition` is exact: a min-sum dynamic program
+per candidate bottleneck ``β``. An infeasible problem is a one-line :class:`MemschedError` with the smallest
+device memory that would fit. docs/solvers.md derives the model, the options and the program.
 """
 
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 
 import numpy as np
 
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.simulate.pipeline import (PIPELINE_SCHEDULES, device_peak, device_result, device_state, in_flight,
-                                        micro_batch, pipeline_time, sends, sub_chain, sync_seconds, to_global)
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted, check_micro_batches
 from planner.simulate.chain import ChainSimulator
+from planner.simulate.pipeline import (
+    PIPELINE_SCHEDULES,
+    DeviceState,
+    MicroBatch,
+    device_peak,
+    device_result,
+    device_state,
+    in_flight,
+    micro_batch,
+    pipeline_time,
+    sends,
+    sub_chain,
+    sync_seconds,
+    to_global,
+)
 from planner.training_setup import TrainingSetup
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
@@ -85,6 +59,25 @@ class Option:
         return self.result.time
 
 
+class StageRange(NamedTuple):
+    """Stages ``[a, b)`` as a device runs them: their standalone sub-chain, the device's state, and store-all's
+    schedule of the sub-chain with its micro-batch."""
+
+    chain: Chain
+    state: DeviceState
+    store_all: tuple
+    store_all_micro: MicroBatch
+
+
+class LeastMemory(NamedTuple):
+    """The least-memory schedule of a range's sub-chain: its least memory for one micro-batch (bytes), the
+    schedule and its micro-batch."""
+
+    nbytes: int
+    schedule: tuple
+    micro: MicroBatch
+
+
 class PartitionProblem:
     """The options of every stage range on every device of one pipeline problem (cached)."""
 
@@ -96,9 +89,10 @@ class PartitionProblem:
             raise MemschedError(f"partition: devices must be a whole number >= 1, got {devices!r}")
         check_micro_batches(micro_batches, "partition: micro_batches (--micro-batches)")
         if chain.length > MAX_STAGES:
-            raise MemschedError(f"partition: chain '{chain.name}' has {chain.length} stages, more than the {MAX_STAGES} "
-                                "it partitions (each of its L(L+1)/2 stage ranges is solved and simulated: 100 stages "
-                                "take about 2 minutes); profile the model in fewer, coarser stages")
+            raise MemschedError(f"partition: chain '{chain.name}' has {chain.length} stages, more than the "
+                                f"{MAX_STAGES} it partitions (each of its L(L+1)/2 stage ranges is solved and "
+                                "simulated: 100 stages take about 2 minutes); profile the model in fewer, coarser "
+                                "stages")
         if devices > chain.length:
             raise MemschedError(f"partition: {devices} devices for chain '{chain.name}' of {chain.length} stages; "
                                 "each device needs at least one stage: use at most that many devices")
@@ -117,11 +111,11 @@ class PartitionProblem:
         self.setup, self.slots = setup or TrainingSetup(), slots
         self.length = chain.length
         self.rotor_calls = 0
-        self._subs, self._least, self._tables, self._rotors = {}, {}, {}, {}
+        self._ranges, self._least, self._tables, self._rotors = {}, {}, {}, {}
         self._store_peaks, self._least_peaks = {}, {}
 
-    def k(self, device: int) -> int:
-        """In-flight micro-batches of ``device``."""
+    def in_flight(self, device: int) -> int:
+        """In-flight micro-batches of ``device``: forwards it starts before its first backward."""
         return in_flight(self.schedule, self.micro_batches, self.devices, device)
 
     def positions(self):
@@ -132,31 +126,31 @@ class PartitionProblem:
                 for b in range(a + 1, L - (P - 1 - s) + 1):
                     yield s, a, b
 
-    def sub(self, a: int, b: int):
-        """``(sub-chain, device state, (store-all schedule, its micro-batch))`` of stages ``[a, b)``."""
-        if (a, b) not in self._subs:
+    def stage_range(self, a: int, b: int) -> StageRange:
+        """Stages ``[a, b)`` on a device (cached)."""
+        if (a, b) not in self._ranges:
             state = device_state(self.chain, a, b, self.setup, self.micro_batches)
             sub = sub_chain(self.chain, a, b)
             store = store_all_schedule(b - a)
-            self._subs[a, b] = sub, state, (store, micro_batch(self.chain, a, b, store, state, sub))
-        return self._subs[a, b]
+            self._ranges[a, b] = StageRange(sub, state, store, micro_batch(self.chain, a, b, store, state, sub))
+        return self._ranges[a, b]
 
     def micro(self, a: int, b: int, schedule):
         """The micro-batch of a schedule (local stage indices) of ``[a, b)``."""
-        sub, state, _ = self.sub(a, b)
-        return micro_batch(self.chain, a, b, schedule, state, sub)
+        stages = self.stage_range(a, b)
+        return micro_batch(self.chain, a, b, schedule, stages.state, stages.chain)
 
-    def least(self, a: int, b: int):
-        """``(least memory of one micro-batch's sub-chain, its schedule, its micro-batch)``."""
+    def least(self, a: int, b: int) -> LeastMemory:
+        """The least-memory schedule of the sub-chain of ``[a, b)`` (cached)."""
         if (a, b) not in self._least:
-            chain = self.sub(a, b)[0]
+            chain = self.stage_range(a, b).chain
             schedule = least_memory_schedule(chain)
-            self._least[a, b] = minimum_budget(chain), schedule, self.micro(a, b, schedule)
+            self._least[a, b] = LeastMemory(minimum_budget(chain), schedule, self.micro(a, b, schedule))
         return self._least[a, b]
 
     def _make(self, kind, a, b, k, schedule, micro) -> Option:
         result = device_result(self.chain, a, b, schedule, self.schedule, k, self.micro_batches, self.setup,
-                               self.bandwidth, self.latency, micro, self.sub(a, b)[1])
+                               self.bandwidth, self.latency, micro, self.stage_range(a, b).state)
         return Option(kind, schedule, result)
 
     def sync(self, a: int, b: int) -> float:
@@ -165,44 +159,46 @@ class PartitionProblem:
 
     def lower_time(self, a: int, b: int) -> float:
         """Seconds per micro-batch of store-all on ``[a, b)``: no schedule of it is faster."""
-        return self.sub(a, b)[2][1].compute + sends(self.chain, a, b, self.bandwidth, self.latency)
+        return self.stage_range(a, b).store_all_micro.compute + sends(self.chain, a, b, self.bandwidth, self.latency)
 
     def peak(self, a: int, b: int, k: int, micro) -> int:
         """The exact device peak of a micro-batch (a schedule's) on ``[a, b)`` with ``k`` forwards before the first
         backward."""
-        return device_peak(micro, self.schedule, k, self.micro_batches, self.sub(a, b)[1])
+        return device_peak(micro, self.schedule, k, self.micro_batches, self.stage_range(a, b).state)
 
     def store_all_peak(self, a: int, b: int, k: int) -> int:
         """The device peak of store-all on ``[a, b)`` with ``k`` forwards before the first backward (cached)."""
         if (a, b, k) not in self._store_peaks:
-            self._store_peaks[a, b, k] = self.peak(a, b, k, self.sub(a, b)[2][1])
+            self._store_peaks[a, b, k] = self.peak(a, b, k, self.stage_range(a, b).store_all_micro)
         return self._store_peaks[a, b, k]
 
     def store_all(self, a: int, b: int, k: int):
         """The store-all option when it fits, else None."""
         if self.store_all_peak(a, b, k) <= self.memory:
-            return self._make("store_all", a, b, k, *self.sub(a, b)[2])
+            stages = self.stage_range(a, b)
+            return self._make("store_all", a, b, k, stages.store_all, stages.store_all_micro)
         return None
 
-    def least_peak(self, a: int, b: int, k: int) -> int:
+    def least_memory_peak(self, a: int, b: int, k: int) -> int:
         """The exact device peak of the least-memory schedule on ``[a, b)`` (cached)."""
         if (a, b, k) not in self._least_peaks:
-            self._least_peaks[a, b, k] = self.peak(a, b, k, self.least(a, b)[2])
+            self._least_peaks[a, b, k] = self.peak(a, b, k, self.least(a, b).micro)
         return self._least_peaks[a, b, k]
 
     def least_option(self, a: int, b: int, k: int):
         """The least-memory schedule when its exact peak fits, else None."""
-        if self.least_peak(a, b, k) > self.memory:
+        if self.least_memory_peak(a, b, k) > self.memory:
             return None
-        _, schedule, micro = self.least(a, b)
-        return self._make("least_memory", a, b, k, schedule, micro)
+        least = self.least(a, b)
+        return self._make("least_memory", a, b, k, least.schedule, least.micro)
 
     def _table(self, a: int, b: int):
         """Rotor's table for the sub-chain of ``[a, b)`` (solvers/rotor.py, ``slots`` units) up to its store-all
         peak, and its least feasible level: ``(arrays, opt, lowest, top)``, or None (cached)."""
         if (a, b) not in self._tables:
-            chain, _, (store, _) = self.sub(a, b)
-            _, arrays, top = discretise(chain, ChainSimulator(chain).run(store).peak_bytes, self.slots)
+            stages = self.stage_range(a, b)
+            chain = stages.chain
+            _, arrays, top = discretise(chain, ChainSimulator(chain).run(stages.store_all).peak_bytes, self.slots)
             self.rotor_calls += 1
             opt = compute_table(arrays, top) if top >= 0 else None
             finite = np.flatnonzero(np.isfinite(opt[0, chain.length])) if opt is not None else ()
@@ -236,7 +232,7 @@ class PartitionProblem:
         return None if found is None else self._make("rotor", a, b, k, *found)
 
     def option(self, a: int, b: int, k: int):
-        """The device's schedule for ``[a, b)`` at ``k`` in flight (module docstring), or None if nothing fits."""
+        """The device's schedule for ``[a, b)`` at ``k`` in flight (docs/solvers.md), or None if nothing fits."""
         found = self.store_all(a, b, k)
         if found is not None:
             return found
@@ -248,7 +244,7 @@ class PartitionProblem:
     def requirement(self, a: int, b: int, k: int) -> int:
         """The least device memory at which ``[a, b)`` fits with ``k`` forwards before the first backward: the
         exact peak of store-all or of the least-memory schedule."""
-        return min(self.store_all_peak(a, b, k), self.least_peak(a, b, k))
+        return min(self.store_all_peak(a, b, k), self.least_memory_peak(a, b, k))
 
 
 def _min_sum(times: np.ndarray, bounds: np.ndarray, syncs: np.ndarray):
@@ -348,7 +344,7 @@ def least_device_memory(problem: PartitionProblem, store_all: bool = False) -> i
     P, size = problem.devices, problem.length + 1
     need = np.full((P, size, size), np.inf)
     for s, a, b in problem.positions():
-        k = problem.k(s)
+        k = problem.in_flight(s)
         if store_all:
             need[s, a, b] = problem.store_all_peak(a, b, k)
         else:
@@ -384,7 +380,7 @@ def _prefix_suffix(times: np.ndarray):
 
 
 def solve_partition(problem: PartitionProblem) -> PartitionSolution:
-    """The exact optimum of the model (module docstring).
+    """The exact optimum of the model (docs/solvers.md).
 
     Rotor is run only where it may matter: every range starts with an upper bound (store-all when it fits, else
     the least-memory schedule) and a lower bound (store-all's time); the DP's partition over the upper bounds
@@ -401,7 +397,7 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
     exact = np.zeros((P, size, size), dtype=bool)
     syncs = np.zeros((size, size))
     for s, a, b in problem.positions():
-        k = problem.k(s)
+        k = problem.in_flight(s)
         syncs[a, b] = problem.sync(a, b)
         found = problem.store_all(a, b, k)
         exact[s, a, b] = found is not None
@@ -422,7 +418,7 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
         if not pending:
             break
         for s, a, b in pending:
-            times[s, a, b], exact[s, a, b] = problem.option(a, b, problem.k(s)).time, True
+            times[s, a, b], exact[s, a, b] = problem.option(a, b, problem.in_flight(s)).time, True
     pre, suf = _prefix_suffix(lower)
     bound = m * lower + pre[:, :, None] + suf[:, None, :]
     for s, a, b in zip(*np.nonzero(~exact)):
@@ -430,9 +426,9 @@ def solve_partition(problem: PartitionProblem) -> PartitionSolution:
         if bound[s, a, b] > t_upper * (1 + SLACK):
             times[s, a, b] = np.inf  # never in an optimal partition
         else:
-            times[s, a, b] = problem.option(a, b, problem.k(s)).time
+            times[s, a, b] = problem.option(a, b, problem.in_flight(s)).time
     _, parts = best_partition(times, m, syncs)
-    options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
+    options = [problem.option(a, b, problem.in_flight(s)) for s, (a, b) in enumerate(parts)]
     return PartitionSolution(problem, parts, options, problem.rotor_calls, time.perf_counter() - started)
 
 
@@ -462,6 +458,6 @@ def partition_plan(solution: PartitionSolution) -> Plan:
 def partition(chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",
               bandwidth=None, latency: float = 0.0, setup: TrainingSetup = None,
               slots: int = DEFAULT_SLOTS) -> Plan:
-    """The fastest pipeline plan for ``chain`` on ``devices`` devices of ``memory`` bytes (module docstring)."""
+    """The fastest pipeline plan for ``chain`` on ``devices`` devices of ``memory`` bytes (docs/solvers.md)."""
     problem = PartitionProblem(chain, devices, memory, micro_batches, schedule, bandwidth, latency, setup, slots)
     return partition_plan(solve_partition(problem))

@@ -1,48 +1,13 @@
-"""POFO: recomputation and offloading decided together, by one dynamic program over the chain.
+"""POFO: recomputation and offloading decided together, by one dynamic program over the chain (after Beaumont,
+Eyraud-Dubois, Shilova, NeurIPS 2021).
 
-After Beaumont, Eyraud-Dubois, Shilova, "Efficient Combination of Rematerialization and Offloading for
-Training DNNs" (NeurIPS 2021). Rotor's recurrence (:mod:`solvers.rotor`) decides, for each sub-chain
-``k..e`` entered with ``a_k`` held and ``m`` memory units to spare, whether to *chain* (``F_all k``, solve
-``k+1..e``, ``B k``) or to advance to a checkpoint ``a_j`` (*leaf j*: solve ``j..e``, then ``k..j-1``).
-POFO adds a third option for each activation, *offload*: the item that holds ``a_k`` (``ā_k`` when the
-parent chained, ``saved k-1``; the checkpoint ``a_k`` when it advanced, ``input k``) leaves the device while
-it is not needed, in both of Rotor's choices:
-
-* *chain, offloaded*: ``Offload item, F_all k, Release item``, solve ``k+1..e`` with the item's memory
-  freed, ``Prefetch item`` just before that sub-chain's last operation (``B k+1``, or the loss), ``B k``;
-* *leaf j, offloaded*: ``Offload item, F_ck k, F_none k+1..j-1, Release item``, solve ``j..e`` with the
-  item's memory freed, ``Prefetch item`` before its last operation (``B j``), then ``k..j-1``.
-
-Timing is exact for this class: at the start of every sub-chain both copy engines are idle (every earlier
-offload was released before its sub-chain began, every earlier prefetch was read before the current
-sub-chain's last operation), so an offload's copy overlaps exactly the forwards between its ``Offload`` and
-its ``Release`` (the release stalls ``max(0, d2h - forwards)``), and a prefetch's copy exactly the last
-operation it precedes (the next operation stalls ``max(0, h2d - that operation)``). Memory: the last
-operation of a sub-chain always runs in the same state (``a_k``'s item, ``ā_{k+1}`` and ``δ_{k+1}``, the
-parameter gradients of ``k+1..e``), so the prefetched item is checked against it alone.
-
-The DP is Rotor's at the same discretisation (``unit = budget // slots``; sizes held are rounded up, the
-memory an offload frees is rounded *down*, so every schedule fits in bytes), with two tables (``a_k``
-inside ``ā_k``, or held on its own), filled by a numba kernel as Rotor's. The input ``a_0`` is the caller's
-and never moves. With no usable channel the offload options vanish and the table is Rotor's; the solver
-also runs Rotor and keeps the faster, so it is never slower than Rotor at the same budget. Every schedule
-is replayed by the offload simulator, whose step time equals the table's (tests check it, and against an
-exhaustive search of the class on small chains).
-
-The class fixes where each copy happens, so a copy longer than the forward (or backward) it overlaps
-stalls even when later operations could hide it. The table's plan is therefore *re-timed*: the exact offload
-solver (:mod:`solvers.offload`) places the transfers freely on the same compute schedule, and also tries the
-store-all schedule and Rotor's for a budget halfway to the store-all peak (recomputation for half the way,
-offloading for the rest), each for an equal share of what is left of ``time_limit``; a faster plan is
-returned (marked not optimal: it is better than the class's optimum, not proven best overall). Below the
-table's reach (a budget under the least memory of recomputation, which offloading a sub-chain's first
-activation cannot lower), Rotor's schedules for budgets a little above that least memory and the store-all
-schedule are offloaded by the exact solver instead, and the fastest plan that fits is returned (not optimal).
-
-``time_limit`` is a deadline for the whole solve, started when :func:`pofo` is called: the table is filled
-chunk by chunk and stops at it (an error that says what limit would do: there is no plan yet), and the
-re-timing only gets what the table and Rotor's plan left (nothing once the deadline has passed: the table's
-plan is returned). The chunks also let Ctrl-C through within milliseconds (see :mod:`solvers.limits`).
+Rotor's recurrence (:mod:`solvers.rotor`) with a third option per activation: the item that holds ``a_k``
+leaves the device while it is not needed (*chain, offloaded* and *leaf j, offloaded*), timed exactly for that
+class and filled by a numba kernel at Rotor's discretisation. :func:`pofo` runs it and Rotor, keeps the faster,
+then re-times the plan with the exact offload solver (:mod:`solvers.offload`) on the same compute schedule and
+on store-all's and Rotor's, within what is left of ``time_limit`` (a deadline for the whole solve; a Ctrl-C
+stops the table within milliseconds). It returns a :class:`solvers.result.Solution` over the copy channel;
+a re-timed plan is not marked optimal. docs/solvers.md derives the class, its timing and the re-timing.
 """
 
 import math
@@ -53,13 +18,15 @@ import numpy as np
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.ops import TRANSFER_OPS, Op
-from planner.simulate.chain import ChainSimulator, simulate
+from planner.simulate import simulate
+from planner.simulate.chain import ChainSimulator
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
 from solvers.limits import Deadline, TimeLimitReached, enough_time, fill_by_spans
 from solvers.minimum import minimum_budget
-from solvers.offload import OffloadSolution, channel_of, offload_within
+from solvers.offload import channel_of, offload_within
+from solvers.result import Solution
 from solvers.rotor import DEFAULT_SLOTS, discretise, final_state_fits, rotor
 from solvers.rotor_model import RotorArrays
 
@@ -233,8 +200,8 @@ class PofoTables:
 
 
 def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFAULT_SLOTS,
-         time_limit: float = DEFAULT_RETIMING_LIMIT) -> OffloadSolution:
-    """The fastest schedule of POFO's class (see the module docstring) whose peak fits ``budget`` at ``slots``
+         time_limit: float = DEFAULT_RETIMING_LIMIT) -> Solution:
+    """The fastest schedule of POFO's class (docs/solvers.md) whose peak fits ``budget`` at ``slots``
     discretisation, with copies over ``transfer`` (default: the chain's channel); then re-timed by the exact
     offload solver, the faster plan kept.
 
@@ -251,7 +218,7 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
     store_all = store_all_schedule(chain.length)
     high = simulator.run(store_all).peak_bytes
     if high <= budget:
-        return OffloadSolution(store_all, params=params, optimal=True, transfer=transfer)
+        return Solution(store_all, params=params, optimal=True, transfer=transfer)
     unit, arrays, top = discretise(chain, budget, slots)
     found = None
     if top >= 0 and final_state_fits(arrays, top):
@@ -281,7 +248,7 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
         tries = [("rotor", least + int(point * (high - least))) for point in BELOW_POINTS] + [("store_all", None)]
         found = _fastest_offload(chain, budget, transfer, tries, deadline)
         if found is not None:
-            return OffloadSolution(found, params=params, optimal=False, transfer=transfer)
+            return Solution(found, params=params, optimal=False, transfer=transfer)
         if deadline.passed(_MARGIN):
             raise MemschedError(f"pofo: no schedule of recomputation and offloading fits {format_bytes(budget)} "
                                 f"({budget} bytes) within the time limit of {time_limit:g} s (the budget is below "
@@ -301,8 +268,8 @@ def pofo(chain: Chain, budget: int, transfer: Transfer = None, slots: int = DEFA
         tries = [(compute, None), ("store_all", None), ("rotor", (budget + high) // 2)]
         retimed = _fastest_offload(chain, budget, transfer, tries, deadline, than=found_time)
         if retimed is not None:
-            return OffloadSolution(retimed, params=params, optimal=False, transfer=transfer)
-    return OffloadSolution(found, params=params, optimal=optimal, transfer=transfer)
+            return Solution(retimed, params=params, optimal=False, transfer=transfer)
+    return Solution(found, params=params, optimal=optimal, transfer=transfer)
 
 
 BELOW_POINTS = (0.0, 0.02, 0.05, 0.1, 0.25)  # Rotor schedules tried below the table's reach, as fractions of the

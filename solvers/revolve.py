@@ -1,18 +1,9 @@
 """Revolve: Griewank & Walther binomial checkpointing for homogeneous chains.
 
-With ``s`` snapshot slots (the input's included) the stages are reversed
-recursively: advance ``m`` stages from the current snapshot without autograd
-(``F_ck`` then ``F_none``), store the state reached in a free slot, reverse the
-remaining ``l - m`` stages with one slot fewer, then reverse the first ``m``
-with the same slots. A single stage is reversed as ``F_all`` then its backward.
-``m`` minimises the number of advances
-
-    T(l, s) = min_m  m + T(l - m, s - 1) + T(m, s),   T(1, s) = 0,  T(l >= 2, 0) = ∞,
-
-which equals Griewank's closed form r·l − β(s+1, r−1) (checked by the tests).
-On a homogeneous chain fewer advances is less time, so the schedule is
-time-optimal among those keeping ``s`` snapshots and taping one stage at a time.
-Given a budget, the solver takes the most snapshots whose simulated peak fits.
+:func:`revolve_schedule` reverses ``l`` stages with ``s`` snapshot slots (the input's included) by the
+recursion that minimises the number of advances, time-optimal on a homogeneous chain among schedules that keep
+``s`` snapshots and tape one stage at a time; :func:`revolve` takes the most snapshots whose simulated peak fits
+the budget. docs/solvers.md gives the recursion.
 """
 
 import numpy as np
@@ -22,7 +13,6 @@ from planner.errors import MemschedError
 from planner.ops import Op
 from planner.simulate.chain import ChainSimulator
 from solvers.result import Solution
-
 
 _table_cache = {}
 

@@ -1,49 +1,13 @@
-"""Rotor: the optimal persistent checkpointing of heterogeneous chains.
+"""Rotor: the optimal persistent checkpointing of heterogeneous chains (Beaumont et al., arXiv 1911.13214),
+extended with parameter gradients.
 
-Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
-heterogeneous chains: how to train deep neural networks with limited memory"
-(arXiv 1911.13214), extended with parameter gradients. ``opt[i, e, m]`` is the
-least time to run the backward of stages ``i..e`` (``e = L`` is the loss) when
-``a_i`` and ``δ_{e+1}`` are held and ``m`` units remain besides ``a_i`` and the
-parameter gradients of stages after ``e``. Two choices at ``i``:
-
-* *chain*: ``F_all i``, solve ``i+1..e`` in ``m − x̄_{i+1}``, then ``B i``
-  (checked with the parameter gradients of ``i+1..e`` now resident, and
-  ``ā_{i+1}`` shrunk to ``own_saved_bytes`` since ``δ_{i+1}`` exists);
-* *leaf j*: ``F_ck i, F_none i+1..j−1`` to reach ``a_j``, solve ``j..e`` in
-  ``m − x_j``, then ``i..j−1`` in ``m`` minus the parameter gradients of ``j..e``.
-
-Each forward's peak is checked where it happens, so every schedule found fits
-the simulator's model (planner.simulate.chain) in bytes; the exhaustive searches in
-the tests confirm nothing faster exists. Memory is discretised as in the
-published implementation: ``unit = budget // slots``, sizes rounded up (the
-parameter gradients as the suffixes they are held in, so that they lose at most
-one unit in all), the input's units taken from the ``slots`` first. The table
-is filled by numba kernels, diagonal by diagonal, stages of one diagonal in
-parallel, in chunks of a few milliseconds (a Ctrl-C is raised between two,
-solvers/limits.py); it holds ``(L+1)² × levels`` float64 entries and costs about
-``L³/6 × levels`` additions.
-
-Resolution and limits. ``slots=N`` is the published discretisation, every stage
-its own; it is refused in one line when its table would exceed
-``TABLE_LIMIT_BYTES`` (2 GiB). ``slots=None`` (the default) chooses from the
-chain: the table keeps ``DEFAULT_SLOTS`` levels, all the budget's while
-rounding inflates the chain's store-all footprint by less than
-``HEADROOM_FROM``; beyond, the budget gets ``DEFAULT_SLOTS / (1 + 2 ×
-inflation)`` of them and the rest lie above it, and the highest level whose
-schedule the simulator finds within the budget in bytes is taken (at or above
-the budget's level, it is as fast as any schedule that fits the budget at this
-discretisation). When that table would exceed ``TABLE_LIMIT_BYTES`` or
-``WORK_LIMIT`` additions (about 2 s on 2 cores), consecutive stages are merged
-into as many groups as fit (:func:`merge_stages`, whose sizes bound the
-stages' in the simulator's model), solved there and expanded, not marked
-optimal. Either way the fastest segment schedule in bytes (Chen's and
-``checkpoint_sequential``'s cuts) and, where the plan is slower than any
-Revolve schedule can be, Revolve's with the most snapshots that fit are
-returned instead when faster, so Rotor is never slower than
-:func:`solvers.sqrt.sqrt` or :func:`solvers.revolve.revolve`. Chains of more
-than ``MAX_STAGES`` stages are refused in one line: the exact least memory
-(solvers/minimum.py) costs O(L³) time.
+:func:`rotor` fills ``opt[i, e, m]`` (the least time of the backward of stages ``i..e`` with ``m`` memory units
+to spare; choices *chain* or *leaf j*) by numba kernels in interruptible chunks, and reads the fastest schedule
+back; every schedule fits the chain simulator's model in bytes. ``slots=N`` is the published discretisation
+(refused above ``TABLE_LIMIT_BYTES``); ``slots=None`` chooses the levels from the chain and merges stages when
+the table would exceed ``TABLE_LIMIT_BYTES`` or ``WORK_LIMIT`` (then not optimal). It is never slower than
+:func:`solvers.sqrt.sqrt` or :func:`solvers.revolve.revolve`; chains of more than ``MAX_STAGES`` stages are
+refused in one line. docs/solvers.md gives the recurrence, the discretisation and the limits.
 """
 
 import numba
@@ -59,8 +23,8 @@ from solvers.limits import fill_by_spans
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.revolve import revolve_schedule
-from solvers.sqrt import fastest_segments, segment_bounds
 from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
+from solvers.sqrt import fastest_segments, segment_bounds
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
 # PyTorch work that follows a solve (profile, solve and train share one process) by up to 20x on 2 cores;
@@ -423,7 +387,7 @@ def check_length(chain: Chain) -> None:
 
 def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
     """The fastest schedule whose peak fits ``budget``, at ``slots`` discretisation (None: chosen from the
-    chain, see the module docstring; the plan's ``params`` record what was used).
+    chain, see docs/solvers.md; the plan's ``params`` record what was used).
 
     Rounding sizes up can hide schedules that fit in exact bytes at the two
     ends of the budget range, so both ends are checked in bytes first: when

@@ -13,9 +13,9 @@ import math
 import numpy as np
 
 from planner.chain import Chain
+from planner.errors import MemschedError
 from planner.ops import Op
 from planner.simulate.chain import ChainSimulator
-from planner.errors import MemschedError
 from solvers.result import Solution
 
 

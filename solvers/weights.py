@@ -1,29 +1,19 @@
 """Weight offload: stages whose parameters live on the host, brought in around each of their operations.
 
-The ZeRO-Offload / FSDP CPU-offload pattern, in the offload simulator's model
-(planner/simulate/offload.py): a *host-weight stage*'s parameters
-(``param_bytes``) wait on the host; each run of consecutive compute operations
-of the stage (its forward, a recomputation, its backward) is preceded by
-``Prefetch i weights`` issued one compute operation earlier (the copy overlaps
-it) and followed by ``Release i weights`` (no copy back: the host
-copy is current). After ``B i`` the stage's gradients are copied out at once
-(``Offload i grads``) and freed one compute operation later (``Release i
-grads``), so the copy overlaps it; the stage's optimizer then steps on the host.
-
-:func:`place_weight_transfers` adds these transfers to any chain schedule (with
-or without activation transfers, which keep their places); :func:`weight_reserve`
-is what the parameters of host-weight stages can occupy on the device at once
-(the two largest: the stage running and the one being prefetched), which the
-caller subtracts from the budget before solving the rest. The placement is a
-fixed policy, not optimised: plans are judged by the simulator and never marked
-optimal.
+The ZeRO-Offload / FSDP CPU-offload pattern in the offload simulator's model: :func:`chosen_weight_stages`
+parses the user's choice (``"all"`` or ``"0,3"``), :func:`place_weight_transfers` adds ``Prefetch``/``Release``
+of each host-weight stage's weights around its runs of operations and ``Offload``/``Release`` of its gradients
+after ``B i`` to any chain schedule, and :func:`weight_reserve` is what their parameters can hold on the device
+at once (the two largest), which the caller subtracts from the budget before solving the rest. The placement is
+a fixed policy: plans are judged by the simulator and never marked optimal. docs/solvers.md gives the rules.
 """
 
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.ops import TRANSFER_OPS, Op
 
-def host_weight_stages(chain: Chain, weights) -> tuple:
+
+def chosen_weight_stages(chain: Chain, weights) -> tuple:
     """Stage indices from ``weights``: ``"all"`` (every stage with parameters), or indices as a list or a
     comma-separated string; stages without parameters are left out (nothing to move)."""
     if weights == "all":
@@ -51,7 +41,7 @@ def weight_reserve(chain: Chain, stages) -> int:
 
 
 def place_weight_transfers(schedule, stages) -> tuple:
-    """``schedule`` with the weight and gradient transfers of the host-weight ``stages`` (module docstring)."""
+    """``schedule`` with the weight and gradient transfers of the host-weight ``stages`` (docs/solvers.md)."""
     stages = set(stages)
     positions = [p for p, op in enumerate(schedule) if op.kind not in TRANSFER_OPS]  # compute operations
     compute = [schedule[p] for p in positions]

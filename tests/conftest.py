@@ -25,3 +25,15 @@ def threads(request):
 def per_thread_count():
     """A module's ``{thread count: value}``, for a fixture that profiles once per count of :func:`threads`."""
     return {}
+
+
+@pytest.fixture(scope="module")
+def rotor_plan():
+    """An 8-stage synthetic chain and its rotor plan, halfway between the least and the store-all memory."""
+    import solvers  # here, not at the top: conftest loads for every test file, and numba's import takes ~2 s
+    from profiles.synthetic import random_chain
+    from solvers.minimum import minimum_budget
+
+    chain = random_chain(8, seed=3, tmp=True, params=True)
+    budget = (minimum_budget(chain) + solvers.store_all_peak(chain)) // 2
+    return chain, solvers.solve(chain, budget, "rotor")

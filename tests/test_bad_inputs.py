@@ -22,10 +22,11 @@ import solvers
 from planner import Chain, MemschedError, simulate
 from planner.graph import Graph
 from planner.ops import Op
-from planner.simulate.chain import ScheduleError, check_plan_schedules, check_schedule
+from planner.simulate import check_plan_schedules, check_schedule
+from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
-from solvers.graph import solve_graph
+from solvers import solve_graph
 from solvers.minimum import minimum_budget
 from solvers.partition import partition
 
@@ -183,7 +184,8 @@ FIELDS = [
     ("plan", "predicted-time-1e30", "plan", _set("predicted.time", 1e30), "predicted.time"),
     ("plan", "solve-seconds-infinite", "plan", _set("solver.solve_seconds", 1e999), "solver.solve_seconds"),
     ("plan", "stage-index-2**40", "plan", _set("schedule.0.stage", 2**40), "stage must be below"),
-    ("plan", "backward-skipped", "plan", _schedule(lambda ops: [op for k, op in enumerate(ops) if k != _backwards(ops)[1]]),
+    ("plan", "backward-skipped", "plan",
+     _schedule(lambda ops: [op for k, op in enumerate(ops) if k != _backwards(ops)[1]]),
      "schedule[5] (B 0): δ_1 is not in memory"),
     ("plan", "backward-doubled", "plan", _schedule(lambda ops: ops[:_backwards(ops)[1] + 1] + ops[_backwards(ops)[1]:]),
      "schedule[6] (B 1): the backward of stage 1 has already run"),
@@ -337,7 +339,8 @@ def test_bad_file_is_one_error_line(docs, good, tmp_path, capsys, kind, reader, 
     assert fragment in line and "bad.json" in line, line
 
 
-@pytest.mark.parametrize("argv, fragment", [pytest.param(argv, fragment, id=case) for case, argv, fragment in ARGUMENTS])
+@pytest.mark.parametrize("argv, fragment",
+                         [pytest.param(argv, fragment, id=case) for case, argv, fragment in ARGUMENTS])
 def test_bad_argument_is_one_error_line(good, tmp_path, capsys, argv, fragment):
     out = tmp_path / "out.json"
     argv = [arg.format(out=out, **good) for arg in argv]

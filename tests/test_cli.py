@@ -17,6 +17,7 @@ from planner.ops import Op
 from planner.render import compact_schedule
 from planner.units import parse_budget
 from profiles.synthetic import random_chain
+from solvers.sweep import CURVES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "example-L24.chain.json"
@@ -129,7 +130,7 @@ def _pareto_rows(stdout: str) -> list:
         match = re.match(r"^\s*[0-9.]+ [KMG]?i?B\s+(\d+)\s+[0-9.]+%\s+(\S+)\s+(\S+)\s+(\S+)$", line)
         if match:
             values = [None if cell == "—" else float(cell.rstrip("%")) for cell in match.groups()[1:]]
-            rows.append((int(match.group(1)), dict(zip(cli.PARETO_SOLVERS, values))))
+            rows.append((int(match.group(1)), dict(zip(CURVES, values))))
     return rows
 
 

@@ -5,12 +5,12 @@ import json
 import pytest
 
 import cli
-from planner.graph import load_graph, save_graph
-from planner.simulate.graph import simulate_graph
-from planner.plan import load_plan
 from planner import save_chain
+from planner.graph import load_graph, save_graph
+from planner.plan import load_plan
+from planner.simulate import simulate
 from profiles.synthetic import random_chain, random_graph
-from solvers.graph import graph_minimum, store_all_graph_peak
+from solvers import graph_minimum, store_all_graph_peak
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_solve_and_show_a_graph(files, capsys, solver):
     graph = load_graph(files["graph"])
     assert plan.kind == "graph" and plan.solver == solver
     assert plan.budget_bytes == int(files["budget"])
-    result = simulate_graph(graph, plan)
+    result = simulate(graph, plan)
     assert (result.peak_bytes, result.time) == (plan.predicted.peak_bytes, plan.predicted.time) and \
         result.peak_bytes <= plan.budget_bytes
     assert cli.main(["show", str(out), "--graph", files["graph"]]) == 0
@@ -67,8 +67,8 @@ def test_solve_and_show_a_graph(files, capsys, solver):
 
 def test_solve_options_reach_the_solvers(files, capsys):
     out = files["folder"] / "m.plan.json"
-    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin", "--max-computations", "3",
-                     "--time-limit", "20", "-o", str(out)]) == 0
+    assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin",
+                     "--max-computations", "3", "--time-limit", "20", "-o", str(out)]) == 0
     assert load_plan(out).params == {"max_computations": 3, "time_limit": 20.0}
     assert cli.main(["solve", files["graph"], "--budget", files["budget"], "--solver", "moccasin", "--first-order",
                      "index", "--time-limit", "20", "-o", str(out)]) == 0

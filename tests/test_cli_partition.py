@@ -4,7 +4,7 @@ from pathlib import Path
 
 import cli
 from planner import load_chain, load_plan
-from planner.simulate.pipeline import simulate_pipeline
+from planner.simulate import simulate
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "example-L24.chain.json"
 
@@ -23,7 +23,7 @@ def test_partition_writes_a_plan_that_show_replays(capsys, tmp_path):
     assert "on 4 devices, 1f1b, 8 micro-batches" in out and out.count(" MiB  ") >= 4
     plan = load_plan(plan_path)
     assert plan.kind == "pipeline" and len(plan.pipeline.devices) == 4
-    result = simulate_pipeline(load_chain(EXAMPLE), plan)
+    result = simulate(load_chain(EXAMPLE), plan)
     assert (result.time, result.peak_bytes) == (plan.predicted.time, plan.predicted.peak_bytes)
     assert result.peak_bytes <= 2**30
     status, out, err = run(capsys, "show", plan_path, "--chain", EXAMPLE)
@@ -31,7 +31,8 @@ def test_partition_writes_a_plan_that_show_replays(capsys, tmp_path):
     assert "simulated  peak" in out and "note" not in out
     # the breakdown of each device's peak: resident state + buffers + the step's peak
     header = next(line for line in out.splitlines() if "resident" in line).split()
-    assert header == ["device", "resident", "buffers", "gradients", "held/micro", "in", "flight", "step", "peak", "peak"]
+    assert header == ["device", "resident", "buffers", "gradients", "held/micro", "in", "flight", "step", "peak",
+                      "peak"]
     for device in result.devices:
         assert device.resident_bytes + device.buffer_bytes + device.step_peak == device.peak_bytes
         assert device.step_peak >= device.gradient_bytes + (device.in_flight - 1) * device.micro.held

@@ -75,7 +75,8 @@ def test_errors_come_before_any_training(capsys, tmp_path):
     line = one_error_line(*run(capsys, "train", SMALL, "--plan", str(broken)))
     assert "memsched.plan/1" in line
     if not torch.cuda.is_available():
-        line = one_error_line(*run(capsys, "train", SMALL, "--chain", str(chain), "--budget", "90%", "--device", "cuda"))
+        line = one_error_line(*run(capsys, "train", SMALL, "--chain", str(chain), "--budget", "90%",
+                                   "--device", "cuda"))
         assert "CUDA is not available" in line
 
 

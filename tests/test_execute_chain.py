@@ -8,7 +8,6 @@ simulator's prediction.
 
 import copy
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner import MemschedError, Op, Plan, Predicted, load_plan, save_plan, simulate
 from planner.execute.chain import apply_plan
+from planner.execute.live_memory import LiveMemoryTracker
 from profiles.chain_profiler import profile_chain
-from profiles.memory import LiveMemoryTracker, storage_bytes
+from profiles.memory import storage_bytes
 from profiles.spec import load_model
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
@@ -42,7 +42,6 @@ FIDELITY = {
     "gpt-tiny": "gpt-tiny:layers=8,d=64,heads=2,seq=64,batch=8",
     "resnet-tiny": "resnet-tiny:blocks=8,channels=16,size=16,batch=8",
 }
-MASKED = str(Path(__file__).parent / "fixtures" / "masked_model.py") + ":build"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,11 +227,11 @@ class _UsesShared(nn.Module):
 
 @pytest.mark.parametrize("solver", ["rotor", "store_all"])
 def test_a_parameter_shared_by_every_stage(solver):
-    from profiles.zoo import ChainModel
+    from planner.execute.stages import StagedModel
 
     torch.manual_seed(0)
     shared = nn.Linear(16, 16)
-    model = ChainModel("tied", [(f"s{k}", _UsesShared(shared)) for k in range(4)], (torch.randn(256, 16),),
+    model = StagedModel("tied", [(f"s{k}", _UsesShared(shared)) for k in range(4)], (torch.randn(256, 16),),
                        lambda y: (y ** 2).mean())
     chain = profile(model)
     loss, reference = plain_step(model)
@@ -363,9 +362,9 @@ class _SummedScale(nn.Module):
 
 
 def _custom_model(stages, x):
-    from profiles.zoo import ChainModel
+    from planner.execute.stages import StagedModel
 
-    return ChainModel("custom", stages, (x,), lambda y: (y ** 2).mean())
+    return StagedModel("custom", stages, (x,), lambda y: (y ** 2).mean())
 
 
 def test_parameters_given_the_same_gradient_tensor_accumulate_separately():
@@ -432,169 +431,7 @@ def test_autocast_bfloat16_step_matches_the_plain_step(small, solver):
 
 
 # --------------------------------------------------------------------------------------------------
-# 7. Extra arguments and structured outputs
-
-
-@pytest.fixture(scope="module")
-def masked():
-    model, _ = load_model(MASKED)
-    chain = profile(model)
-    loss, reference = plain_step(model)
-    return model, chain, loss, reference
-
-
-@pytest.mark.parametrize("solver", ["rotor", "recompute_all"])
-def test_stages_with_a_mask_argument(masked, solver):
-    model, chain, loss, reference = masked
-    assert len(model.example_inputs) == 2  # (ids, mask): the mask goes to every stage
-    plan = solve(chain, int(0.75 * store_all_peak(chain)), solver)
-    assert plan.recomputed_forwards > 0
-    planned_loss, planned = planned_step(model, plan, chain)
-    assert_close(planned_loss, loss)
-    assert_close(planned, reference)
-
-
-class _TupleOut(nn.Module):
-    """Returns ``(y, y.relu())``: the second output is computed from the first, inside the stage."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        y = self.linear(x)
-        return y, y.relu()
-
-
-class _IndependentTupleOut(nn.Module):
-    """Returns ``(first(x), second(x).relu())``: neither output is computed from the other."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.first = nn.Linear(width, width)
-        self.second = nn.Linear(width, width)
-
-    def forward(self, x):
-        return self.first(x), self.second(x).relu()
-
-
-class _TupleToDict(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.first = nn.Linear(width, width)
-        self.second = nn.Linear(width, width)
-
-    def forward(self, pair):
-        y, r = pair
-        return {"a": torch.tanh(self.first(y)) * r, "b": self.second(r).sigmoid()}
-
-
-class _DictIn(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, named):
-        return self.linear(named["a"] + named["b"])
-
-
-def _structured(first_stage):
-    """stage0 returns a tuple, stage1 takes it and returns a dict, stage2 takes the dict and returns a tensor."""
-    from profiles.zoo import ChainModel
-
-    torch.manual_seed(0)
-    width, batch = 16, 64
-    stages = [("tuple", first_stage(width)), ("dict", _TupleToDict(width)), ("tensor", _DictIn(width))]
-    target = torch.randn(batch, width)
-    model = ChainModel("structured", stages, (torch.randn(batch, width),), lambda y: ((y - target) ** 2).mean())
-    chain = profile(model)
-    loss, reference = plain_step(model)
-    return model, chain, loss, reference
-
-
-@pytest.fixture(scope="module")
-def structured():
-    return _structured(_TupleOut)
-
-
-@pytest.fixture(scope="module")
-def independent():
-    return _structured(_IndependentTupleOut)
-
-
-@pytest.mark.parametrize("solver", ["rotor", "recompute_all", "sqrt", "revolve"])
-def test_tuple_and_dict_activations(independent, solver):
-    model, chain, loss, reference = independent
-    plan = solve(chain, minimum_budget(chain), solver)  # three stages: only the least memory forces recomputation
-    assert plan.recomputed_forwards > 0
-    planned_loss, planned = planned_step(model, plan, chain)
-    assert_close(planned_loss, loss)
-    assert_close(planned, reference)
-
-
-@pytest.mark.parametrize("solver", ["store_all", "rotor", "recompute_all"])
-def test_tuple_whose_second_output_is_computed_from_the_first(structured, solver):
-    model, chain, loss, reference = structured
-    budget = store_all_peak(chain) if solver == "store_all" else minimum_budget(chain)
-    plan = solve(chain, budget, solver)
-    planned_loss, planned = planned_step(model, plan, chain)
-    assert_close(planned_loss, loss)
-    assert_close(planned, reference)
-
-
-def test_a_stage_returning_an_output_and_a_view_of_it():
-    from profiles.zoo import ChainModel
-
-    class WithView(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(8, 8)
-
-        def forward(self, x):
-            h = torch.tanh(self.linear(x))
-            return h, h[:, 0]
-
-    class Combine(nn.Module):
-        def forward(self, pair):
-            h, first = pair
-            return h * first[:, None]
-
-    torch.manual_seed(0)
-    model = ChainModel("view", [("view", WithView()), ("combine", Combine())], (torch.randn(16, 8),),
-                       lambda y: (y ** 2).mean())
-    chain = profile(model)
-    _, reference = plain_step(model)
-    _, planned = planned_step(model, solve(chain, store_all_peak(chain), "store_all"), chain)
-    assert_close(planned, reference)
-
-
-def test_an_extra_input_that_requires_grad_gets_its_gradient():
-    from profiles.zoo import ChainModel
-
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(8, 8)
-
-        def forward(self, x, scale):
-            return torch.tanh(self.linear(x)) * scale
-
-    torch.manual_seed(0)
-    scale = torch.rand(16, 8).requires_grad_(True)
-    model = ChainModel("extra", [(f"s{k}", Scaled()) for k in range(3)], (torch.randn(16, 8), scale),
-                       lambda y: (y ** 2).mean())
-    chain = profile(model)
-    plan = solve(chain, store_all_peak(chain), "store_all")
-    plain_step(model)
-    reference = scale.grad.clone()
-    scale.grad = None
-    planned_step(model, plan, chain)
-    assert scale.grad is not None, "the extra input's gradient was dropped"
-    assert_close(scale.grad, reference)
-
-
-# --------------------------------------------------------------------------------------------------
-# 8. Memory fidelity
+# 7. Memory fidelity
 
 
 # Rotor at every budget; the other solvers (where they fit) at one.
@@ -669,7 +506,7 @@ def test_measured_peak_when_the_last_stage_is_checkpointed_before_the_loss(logit
 
 
 # --------------------------------------------------------------------------------------------------
-# 9. Inference
+# 8. Inference
 
 
 @pytest.mark.parametrize("name", SMALL)
@@ -685,15 +522,8 @@ def test_inference_returns_the_plain_output(small, name):
     assert_close(output, expected)
 
 
-def test_inference_with_extra_arguments_and_structured_outputs(masked, structured, independent):
-    for model, chain, _, _ in (masked, structured, independent):
-        planned = apply_plan(model.stages, solve(chain, minimum_budget(chain), "recompute_all"), chain)
-        with torch.no_grad():
-            assert_close(planned(*model.example_inputs), plain_forward(model))
-
-
 # --------------------------------------------------------------------------------------------------
-# 10. Errors
+# 9. Errors
 
 
 def _one_line_error(excinfo, *words):
@@ -734,29 +564,3 @@ def test_stage_names_other_than_the_chains_are_refused(small):
     with pytest.raises(MemschedError) as excinfo:
         apply_plan(renamed, plan, chain)
     _one_line_error(excinfo, "renamed", chain.stages[3].name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Stages fused into one autograd graph
-
-
-def test_the_store_all_schedule_runs_as_one_graph():
-    from planner.execute.chain import _fused_positions
-    from solvers.extremes import store_all_schedule
-
-    schedule = store_all_schedule(4)  # F_all 0..3, Loss, B 3..0
-    continued, absorbed = _fused_positions(schedule)
-    assert [schedule[p] for p in sorted(continued)] == [Op("F_all", k) for k in (1, 2, 3)]
-    assert [schedule[p] for p in sorted(absorbed)] == [Op("B", k) for k in (2, 1, 0)]
-
-
-def test_fusion_stops_where_the_backwards_are_not_consecutive_or_a_stage_is_recomputed():
-    from planner.execute.chain import _fused_positions
-
-    schedule = (Op("F_ck", 0), Op("F_all", 1), Op("F_all", 2), Op("Loss"), Op("B", 2), Op("B", 1),
-                Op("F_all", 0), Op("B", 0))
-    continued, absorbed = _fused_positions(schedule)
-    assert continued == {2} and absorbed == {5}  # F_all 2 on F_all 1; F_all 0 follows B 1, not F_all
-    recomputed = (Op("F_all", 0), Op("F_all", 1), Op("F_ck", 1), Op("F_all", 2), Op("Loss"), Op("B", 2),
-                  Op("B", 1), Op("B", 0))
-    assert _fused_positions(recomputed) == (set(), set())  # stage 1 is run again inside the (0, 1) pair

@@ -17,16 +17,16 @@ from torch import nn
 from torch.testing import assert_close
 
 from planner.errors import MemschedError
-from planner.graph import store_all_graph_schedule
-from planner.execute.capture import StepRun, capture
+from planner.execute.capture import GroupRun, capture
 from planner.execute.graph import GraphExecutor
-from planner.simulate.graph import simulate_graph
+from planner.execute.live_memory import LiveMemoryTracker
 from planner.plan import Plan, Predicted
+from planner.simulate import simulate
+from planner.simulate.graph import schedule_with_frees, store_all_graph_schedule
 from profiles import zoo
 from profiles.graph_profiler import profile_graph
-from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
-from solvers.graph import solve_graph, store_all_graph_peak
+from solvers import solve_graph, store_all_graph_peak
 
 SEED = 7
 TIME_LIMIT = 20.0  # seconds for checkmate; a plan stopped by the limit is still a valid schedule
@@ -113,9 +113,9 @@ def test_store_all_memory_follows_the_simulator_operation_by_operation(case):
     joint = capture(model.stages, model.example_inputs, model.loss_fn, nodes=graph.size)
     assert [g.name for g in joint.groups] == [node.name for node in graph.nodes]
     schedule = store_all_graph_schedule(graph)
-    timeline = simulate_graph(graph, schedule).timeline
+    timeline = simulate(graph, schedule).timeline
     with LiveMemoryTracker() as tracker:
-        run = StepRun(joint, joint.fixed_values(model.example_inputs))
+        run = GroupRun(joint, joint.fixed_values(model.example_inputs))
         for op, step in zip(schedule, timeline):
             tracker.reset_peak()
             (run.compute if op.kind == "compute" else run.free)(op.node)
@@ -171,11 +171,10 @@ def test_random_nodes_out_of_order_are_refused():
     assert len(randoms) == 2 and all(randoms[0] not in graph.nodes[k].deps for k in randoms)
     order = list(range(graph.size))
     order[randoms[0]], order[randoms[1]] = order[randoms[1]], order[randoms[0]]
-    from planner.graph import schedule_with_frees
-
     schedule = schedule_with_frees(graph, order)
-    result = simulate_graph(graph, schedule)  # a valid schedule...
-    plan = Plan(problem_name=graph.name, fingerprint=graph.fingerprint(), solver="manual", budget_bytes=result.peak_bytes,
-                predicted=Predicted(result.peak_bytes, result.time, graph.compute_time), schedule=schedule, kind="graph")
+    result = simulate(graph, schedule)  # a valid schedule...
+    plan = Plan(problem_name=graph.name, fingerprint=graph.fingerprint(), solver="manual",
+                budget_bytes=result.peak_bytes, predicted=Predicted(result.peak_bytes, result.time, graph.compute_time),
+                schedule=schedule, kind="graph")
     with pytest.raises(MemschedError, match="index order"):  # ...that would change the dropout masks
         GraphExecutor(model, plan, graph, example_inputs=(x,))

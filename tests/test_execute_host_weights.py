@@ -20,14 +20,22 @@ from torch.testing import assert_close
 
 from planner import MemschedError, Op, simulate
 from planner.execute.chain import apply_plan
-from planner.execute.offload import fused_positions, host_weight_stages, live_copies
-from planner.ops import TRANSFER_OPS
+from planner.execute.offload import live_copies
+from planner.ops import TRANSFER_OPS, host_weight_stages
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
 from test_execute_chain import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
-from test_execute_offload import (CHANNEL, _one_line, _unvalidated_plan, measured_step, plan_of, transfer_deltas,
-                                   store_all_offloaded, without_transfers)
-from test_execute_offload import unchecked  # noqa: F401 (a fixture: the executor's guards without the check)
+from test_execute_fusion import store_all, store_all_offloaded, with_host_weights
+from test_execute_offload import (
+    CHANNEL,
+    measured_step,
+    one_line,
+    plan_of,
+    transfer_deltas,
+    unchecked,  # noqa: F401 (a fixture: the executor's guards without the check)
+    unvalidated_plan,
+    without_transfers,
+)
 
 SPECS = {"mlp": "mlp:layers=6", "gpt-tiny": SMALL["gpt-tiny"]}
 DEFAULT_THREADS = torch.get_num_threads()  # what the ``models`` fixture profiles at
@@ -36,43 +44,6 @@ RATIOS = {}  # (model, plan) -> measured / predicted peak, printed at the end (p
 
 # --------------------------------------------------------------------------------------------------
 # Plans by hand
-
-
-def store_all(length) -> tuple:
-    return tuple([Op("F_all", i) for i in range(length)] + [Op("Loss")]
-                 + [Op("B", i) for i in reversed(range(length))])
-
-
-def with_host_weights(schedule, stages, ahead=1) -> tuple:
-    """``schedule`` with the weights of ``stages`` on the host: before each run of consecutive compute operations
-    of stage i, ``Prefetch i weights`` ``ahead`` compute operations earlier (0: right before); after it,
-    ``Release i weights``; after ``B i``, ``Offload i grads``, released after the next compute operation. The
-    schedule's own transfers stay after the compute operation they follow."""
-    compute = [op for op in schedule if op.kind not in TRANSFER_OPS]
-
-    def stage(c):
-        return None if c < 0 or c >= len(compute) or compute[c].kind == "Loss" else compute[c].stage
-
-    before, after = {}, {}
-    for c, op in enumerate(compute):
-        i = stage(c)
-        if i not in stages:
-            continue
-        if stage(c - 1) != i:
-            before.setdefault(max(0, c - ahead), []).append(Op("Prefetch", i, "weights"))
-        if stage(c + 1) != i:
-            after.setdefault(c, []).append(Op("Release", i, "weights"))
-        if op.kind == "B":
-            after.setdefault(c, []).append(Op("Offload", i, "grads"))
-            after.setdefault(min(c + 1, len(compute) - 1), []).append(Op("Release", i, "grads"))
-    out, c = [], 0
-    for op in schedule:
-        if op.kind in TRANSFER_OPS:
-            out.append(op)
-            continue
-        out += before.get(c, []) + [op] + after.get(c, [])
-        c += 1
-    return tuple(out)
 
 
 def trainable(chain) -> set:
@@ -311,13 +282,13 @@ def test_weights_read_on_the_host_fail_loudly(models, missing, unchecked):
     del schedule[position - 1]
     with pytest.raises(MemschedError, match="simulator|schedule|host|Prefetch"):
         simulate(chain, schedule, CHANNEL)  # the simulator refuses it...
-    planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    planned = apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
     params = host_weight_parameters(model, host_weight_stages(schedule))
     before = snapshot(params)
     clear_grads(model)
     with pytest.raises(MemschedError) as excinfo:  # ... and the executor's own guard catches it
         model.loss_fn(planned(*model.example_inputs)).backward()
-    _one_line(excinfo, str(missing), "weights 1", "on the host", "Prefetch 1 weights")
+    one_line(excinfo, str(missing), "weights 1", "on the host", "Prefetch 1 weights")
     for p, (pointer, value) in zip(params, before):
         assert p.data.data_ptr() == pointer and torch.equal(p.data, value)
         assert p.grad is None or missing.kind == "B"  # (a stage whose grads were released keeps them)
@@ -336,12 +307,12 @@ def test_invalid_weight_transfers_fail_loudly(models, change, words, unchecked):
     original, chain, _, _ = models["mlp"]
     model = copy.deepcopy(original)
     schedule = change(list(with_host_weights(store_all(chain.length), trainable(chain))))
-    planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    planned = apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
     params = host_weight_parameters(model, host_weight_stages(schedule))
     before = snapshot(params)
     with pytest.raises(MemschedError) as excinfo:
         model.loss_fn(planned(*model.example_inputs)).backward()
-    _one_line(excinfo, *words)
+    one_line(excinfo, *words)
     for p, (pointer, value) in zip(params, before):
         assert p.data.data_ptr() == pointer and torch.equal(p.data, value)
     clear_grads(model)
@@ -362,22 +333,5 @@ def test_tied_weights_cannot_be_host_weights(models):
     stages = [(f"layer{k}", _Tied(shared) if k in (0, 2) else nn.Linear(4, 4)) for k in range(chain.length)]
     schedule = with_host_weights(store_all(chain.length), {2})
     with pytest.raises(MemschedError) as excinfo:
-        apply_plan(stages, _unvalidated_plan(chain, schedule))
-    _one_line(excinfo, "stage 2", "stage 0", "tied")
-
-
-# --------------------------------------------------------------------------------------------------
-# 3. Fusion
-
-
-def test_no_fusion_with_a_host_weight_stage():
-    # Store-all on 4 stages, every saved item prefetched after the loss, fuses into one graph (see
-    # tests/test_execute_offload.py); with stage 0's weights on the host (prefetched right before its
-    # operations), stage 0 runs alone and stages 1..3 still fuse.
-    schedule = with_host_weights(store_all_offloaded(4, prefetch_ahead=True), {0}, ahead=0)
-    continued, absorbed, _ = fused_positions(schedule)
-    assert sorted(schedule[p] for p in continued) == [Op("F_all", 2), Op("F_all", 3)]
-    assert sorted(schedule[p] for p in absorbed) == [Op("B", 1), Op("B", 2)]
-    # With every stage host-weight, nothing fuses.
-    schedule = with_host_weights(store_all(4), {0, 1, 2, 3})
-    assert fused_positions(schedule) == (set(), set(), set())
+        apply_plan(stages, unvalidated_plan(chain, schedule))
+    one_line(excinfo, "stage 2", "stage 0", "tied")

@@ -19,13 +19,15 @@ from torch.testing import assert_close
 
 from planner import MemschedError, Op, Plan, Predicted, simulate
 from planner.execute.chain import apply_plan
-from planner.execute.offload import OffloadRun, fused_positions, live_copies
-from planner.simulate.offload import OffloadSimulator
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.offload import OffloadStepRun, live_copies
 from planner.ops import TRANSFER_OPS
+from planner.simulate.chain import ChainSimulator
+from planner.simulate.offload import reads
 from planner.transfer import Transfer
-from profiles.memory import LiveMemoryTracker
 from solvers import solve, store_all_peak
 from test_execute_chain import FIDELITY, SEED, clear_grads, grads, input_bytes, plain_step, profiled_models
+from test_execute_fusion import store_all_offloaded
 
 CHANNEL = Transfer(d2h_bandwidth=12e9, h2d_bandwidth=12e9, latency=1e-5)
 MODELS = ("mlp", "gpt-tiny", "resnet-tiny")
@@ -39,38 +41,15 @@ RATIOS = {}  # (model, plan) -> measured / predicted peak, printed at the end (p
 # Plans by hand
 
 
-def store_all_offloaded(length: int, prefetch_ahead: bool = False) -> tuple:
-    """Store-all with ``Offload i saved`` after ``F_all i``, ``Release i saved`` two forwards later and
-    ``Prefetch i saved`` before ``B i+1`` (or, with ``prefetch_ahead``, every prefetch right after the loss),
-    for every item released before the loss."""
-    offloaded = range(length - 2)  # saved i is released after F_all i+2
-    schedule = []
-    for i in range(length):
-        schedule.append(Op("F_all", i))
-        if i in offloaded:
-            schedule.append(Op("Offload", i, "saved"))
-        if i - 2 in offloaded:
-            schedule.append(Op("Release", i - 2, "saved"))
-    schedule.append(Op("Loss"))
-    if prefetch_ahead:
-        schedule += [Op("Prefetch", i, "saved") for i in reversed(offloaded)]
-    for i in reversed(range(length)):
-        if not prefetch_ahead and i - 1 in offloaded:
-            schedule.append(Op("Prefetch", i - 1, "saved"))
-        schedule.append(Op("B", i))
-    return tuple(schedule)
-
-
 def with_offloads(chain, schedule, kinds=("input",)) -> tuple:
     """``schedule`` (no transfers) with each item of ``kinds`` offloaded after a touch (its production or a
     read) when at least two operations pass before its next read: released after the first of them,
     prefetched before the last."""
-    rules = OffloadSimulator(chain, CHANNEL)
-    compute = rules.compute
+    compute = ChainSimulator(chain)
     state = compute.initial_state()
     touches, lives = {}, []
     for position, op in enumerate(schedule):
-        for item in rules.reads(state, op):
+        for item in reads(chain, state, op):
             if item in touches:
                 touches[item].append(position)
         state, _, _ = compute.step(state, op)
@@ -157,7 +136,8 @@ def models():
 def threaded(models, threads, per_thread_count):
     """``models`` profiled at ``threads`` (once per count; at the default count, ``models`` itself)."""
     if threads not in per_thread_count:
-        per_thread_count[threads] = models if threads == DEFAULT_THREADS else profiled_models({name: SPECS[name] for name in MODELS})
+        per_thread_count[threads] = (models if threads == DEFAULT_THREADS
+                                     else profiled_models({name: SPECS[name] for name in MODELS}))
     return per_thread_count[threads]
 
 
@@ -209,15 +189,15 @@ def transfer_deltas(model, plan, chain, monkeypatch) -> dict:
     """``{schedule position: bytes the tracker saw it allocate (+) or free (-)}`` for each transfer of one
     planned step."""
     tracker, seen = LiveMemoryTracker(), {}
-    original = OffloadRun.run
+    original = OffloadStepRun.run
 
     def run(self, position):
         before = tracker.current
         original(self, position)
-        if self.planned.plan.schedule[position].kind in TRANSFER_OPS:
+        if self.planned.schedule[position].kind in TRANSFER_OPS:
             seen[position] = tracker.current - before
 
-    monkeypatch.setattr(OffloadRun, "run", run)
+    monkeypatch.setattr(OffloadStepRun, "run", run)
     planned = apply_plan(model.stages, plan, chain)
     clear_grads(model)
     torch.manual_seed(SEED)
@@ -246,7 +226,7 @@ def test_each_transfer_changes_the_memory_as_simulated(models, name, monkeypatch
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_plan_of_the_offload_solver(models, name):
-    """A plan from solvers/offload.py (the greedy, at 60% of the store-all peak) runs as the hand-built ones."""
+    """A plan from solvers/offload/ (the greedy, at 60% of the store-all peak) runs as the hand-built ones."""
     pytest.importorskip("solvers.offload")
     model, chain, loss, reference = models[name]
     try:
@@ -304,14 +284,14 @@ def test_two_steps_accumulate_and_leave_nothing(models):
 # 2. Reading an item on the host fails loudly; a plan without a channel is refused
 
 
-def _one_line(excinfo, *words):
+def one_line(excinfo, *words):
     message = str(excinfo.value)
     assert message and "\n" not in message, message
     for word in words:
         assert word in message, message
 
 
-def _unvalidated_plan(chain, schedule) -> Plan:
+def unvalidated_plan(chain, schedule) -> Plan:
     """A plan the simulator would refuse, built without asking it (the executor does not solve or simulate)."""
     return Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="by hand", budget_bytes=1,
                 predicted=Predicted(1, 0.0, 0.0), schedule=tuple(schedule), transfer=CHANNEL)
@@ -329,10 +309,10 @@ def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models, unch
     schedule = [op for op in store_all_offloaded(chain.length) if op != Op("Prefetch", 1, "saved")]
     with pytest.raises(MemschedError, match="simulator|schedule"):
         simulate(chain, schedule, CHANNEL)  # the simulator refuses it...
-    planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    planned = apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
     with pytest.raises(MemschedError) as excinfo:  # ... and the executor's own guard catches it
         model.loss_fn(planned(*model.example_inputs)).backward()
-    _one_line(excinfo, "saved 1", "on the host", "Prefetch 1 saved")
+    one_line(excinfo, "saved 1", "on the host", "Prefetch 1 saved")
     clear_grads(model)
 
 
@@ -343,10 +323,10 @@ def test_an_activation_read_by_a_forward_on_the_host_fails_loudly(models, unchec
     schedule += [Op("F_all", i) for i in range(2, chain.length)] + [Op("Loss")]
     schedule += [Op("B", i) for i in reversed(range(2, chain.length))]
     schedule += [Op("F_all", 1), Op("B", 1), Op("F_all", 0), Op("B", 0)]
-    planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    planned = apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
     with pytest.raises(MemschedError) as excinfo:
         planned(*model.example_inputs)
-    _one_line(excinfo, "F_ck 1", "input 1", "on the host")
+    one_line(excinfo, "F_ck 1", "input 1", "on the host")
 
 
 @pytest.mark.parametrize(("transfers", "words"), [
@@ -357,13 +337,14 @@ def test_an_activation_read_by_a_forward_on_the_host_fails_loudly(models, unchec
 def test_transfers_out_of_order_fail_loudly(models, transfers, words, unchecked):
     model, chain, _, _ = models["mlp"]
     schedule = (Op("F_all", 0),) + transfers + without_transfers(store_all_offloaded(chain.length))[1:]
-    planned = apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
+    planned = apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
     with pytest.raises(MemschedError) as excinfo:
         planned(*model.example_inputs)
-    _one_line(excinfo, *words)
+    one_line(excinfo, *words)
 
 
-@pytest.mark.parametrize("transfers", [(Op("Release", 0, "saved"),), (Op("Offload", 0, "saved"), Op("Prefetch", 0, "saved")),
+@pytest.mark.parametrize("transfers", [(Op("Release", 0, "saved"),),
+                                       (Op("Offload", 0, "saved"), Op("Prefetch", 0, "saved")),
                                        (Op("Offload", 3, "input"),)])
 def test_apply_plan_refuses_a_schedule_out_of_order_before_running(models, transfers):
     """Without the monkeypatch above, ``apply_plan`` replays the simulator's rules first: one line naming the
@@ -371,8 +352,8 @@ def test_apply_plan_refuses_a_schedule_out_of_order_before_running(models, trans
     model, chain, _, _ = models["mlp"]
     schedule = (Op("F_all", 0),) + transfers + without_transfers(store_all_offloaded(chain.length))[1:]
     with pytest.raises(MemschedError) as excinfo:
-        apply_plan(model.stages, _unvalidated_plan(chain, schedule), chain)
-    _one_line(excinfo, "schedule[", str(transfers[-1]))
+        apply_plan(model.stages, unvalidated_plan(chain, schedule), chain)
+    one_line(excinfo, "schedule[", str(transfers[-1]))
 
 
 def test_a_plan_with_transfers_and_no_channel_is_refused(models):
@@ -381,11 +362,11 @@ def test_a_plan_with_transfers_and_no_channel_is_refused(models):
     stripped = dataclasses.replace(plan, transfer=None)
     with pytest.raises(MemschedError) as excinfo:
         apply_plan(model.stages, stripped, chain)
-    _one_line(excinfo, "transfer")
+    one_line(excinfo, "transfer")
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Hooks only for plans with transfers; fusion across transfers
+# 3. Hooks only for plans with transfers
 
 
 def _seen_by_outer_hooks(model, forward) -> int:
@@ -404,36 +385,6 @@ def test_no_hooks_without_transfers(models):
     offloaded = apply_plan(model.stages, plan_of(chain, store_all_offloaded(chain.length)), chain)
     output = bare(*model.example_inputs).detach().requires_grad_(True)
     loss_only = _seen_by_outer_hooks(model, lambda: output)
-    assert bare.run_type.__name__ == "_Run"
+    assert bare.run_type.__name__ == "StepRun"
     assert _seen_by_outer_hooks(model, lambda: bare(*model.example_inputs)) > loss_only + 2 * chain.length
     assert _seen_by_outer_hooks(model, lambda: offloaded(*model.example_inputs)) == loss_only
-
-
-def test_fusion_across_transfers():
-    # Store-all on 4 stages with every item offloaded and all prefetches before B 3: one graph throughout.
-    schedule = store_all_offloaded(4, prefetch_ahead=True)
-    continued, absorbed, kept = fused_positions(schedule)
-    assert sorted(schedule[p] for p in continued) == [Op("F_all", k) for k in (1, 2, 3)]
-    assert sorted(schedule[p] for p in absorbed) == [Op("B", k) for k in (0, 1, 2)]
-    assert sorted(schedule[p] for p in kept) == [Op("F_all", k) for k in (0, 1, 2)]
-    # Prefetching saved i just before B i+1: a call fusing stages 2 and 3 at B 3 would read saved 1 before
-    # its prefetch (stage 2's input a_2 is in it), one fusing 1 and 2 at B 2 saved 0; stages 0 and 1 fuse.
-    schedule = store_all_offloaded(4)
-    continued, absorbed, _ = fused_positions(schedule)
-    assert [schedule[p] for p in continued] == [Op("F_all", 1)]  # saved 0 is prefetched before B 1
-    assert [schedule[p] for p in absorbed] == [Op("B", 0)]
-    # A Release of the output the next stage continues on, between the two forwards, breaks the pair.
-    schedule = (Op("F_all", 0), Op("Offload", 0, "saved"), Op("Release", 0, "saved"), Op("Prefetch", 0, "saved"),
-                Op("F_all", 1), Op("Loss"), Op("B", 1), Op("B", 0))
-    assert fused_positions(schedule) == (set(), set(), set())
-    # Between two fused backwards, an Offload of another item keeps the pair; a Prefetch of another item
-    # breaks it (the fused call would run B 2 before that allocation, not after it as the plan says).
-    # (input 2, the first fused stage's input, is the group's own: an Offload of it breaks the pair too.)
-    head = (Op("F_ck", 0), Op("F_ck", 1), Op("F_all", 2), Op("F_all", 3), Op("Loss"), Op("B", 3))
-    tail = (Op("B", 2), Op("F_all", 1), Op("B", 1), Op("F_all", 0), Op("B", 0))
-    for between, fused in (((Op("Offload", 1, "input"),), True), ((Op("Prefetch", 1, "input"),), False),
-                           ((Op("Offload", 2, "input"),), False)):
-        schedule = head + between + tail
-        continued, absorbed, _ = fused_positions(schedule)
-        assert [schedule[p] for p in continued] == ([Op("F_all", 3)] if fused else []), between
-        assert [schedule[p] for p in absorbed] == ([Op("B", 2)] if fused else []), between

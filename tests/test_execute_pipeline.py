@@ -19,8 +19,8 @@ import json
 import pytest
 import torch
 
-from planner import MemschedError
 from oracles.pipeline_plans import store_all_split
+from planner import MemschedError
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model, load_model
@@ -61,7 +61,8 @@ def single_process(spec, batch):
         x = module(x)
     loss = model.loss_fn(x)
     loss.backward()
-    return float(loss.detach()), {f"{name}.{n}": p.grad for name, module in model.stages for n, p in module.named_parameters()}
+    return float(loss.detach()), {f"{name}.{n}": p.grad
+                                  for name, module in model.stages for n, p in module.named_parameters()}
 
 
 def check_training(results, spec, batch):

@@ -2,12 +2,12 @@
 
 For each model a graph is profiled once (``estimate=True``: sizes exact, times from FLOPs, so the solver's
 plans are the same on every run), and two save-only plans are run under the policy on a fresh build of the
-model: Checkmate's at a budget where its plan is save-only, and :func:`save_plan` with the recomputed values
-chosen greedily (each forward value but dropout's, largest first, recomputed when that lowers the simulated
-peak). On gpt-tiny, Checkmate's plan recomputes the dropout nodes whose output it could keep and the greedy
-plan keeps them, so both ways of handling dropout are run: masks recomputed (the random operations replayed by
-checkpoint) and dropout outputs cached (``mul`` saved while the mask is made again in order). On resnet-tiny
-the two plans come out with the same figures (2 recomputations).
+model: Checkmate's at a budget where its plan is save-only, and :func:`solvers.save_only.save_only_plan` with
+the recomputed values chosen greedily (each forward value but dropout's, largest first, recomputed when that
+lowers the simulated peak). On gpt-tiny, Checkmate's plan recomputes the dropout nodes whose output it could keep
+and the greedy plan keeps them, so both ways of handling dropout are run: masks recomputed (the random operations
+replayed by checkpoint) and dropout outputs cached (``mul`` saved while the mask is made again in order). On
+resnet-tiny the two plans come out with the same figures (2 recomputations).
 
 Memory is counted as in tests/test_execute_graph.py: the tracker counts what the step allocates (gradients
 ``None`` before), and the parameters, buffers, inputs and targets are the graph's ``fixed_bytes``; the plain
@@ -27,15 +27,14 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from planner.errors import MemschedError
-from planner.graph import schedule_with_frees
-from planner.simulate.graph import GraphSimulator
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.selective import LOSS_REGION, checkpointed_model, is_save_plan, save_plan_problem, selective_policy
 from planner.plan import Plan, Predicted
-from planner.execute.selective import (LOSS_REGION, checkpointed_model, is_save_plan, save_plan, save_plan_problem,
-                               selective_policy)
+from planner.simulate.graph import GraphSimulator, schedule_with_frees
 from profiles.graph_profiler import profile_graph
-from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
-from solvers.graph import solve_graph, store_all_graph_peak
+from solvers import solve_graph, store_all_graph_peak
+from solvers.save_only import save_only_plan
 from test_execute_graph import build, named
 
 SEED = 11
@@ -62,12 +61,12 @@ def run_step(model):
 
 def greedy_save_plan(graph):
     forward = [v for v, node in enumerate(graph.nodes) if not node.backward and not node.keep and not node.random]
-    dropped, best = [], save_plan(graph, []).predicted.peak_bytes
+    dropped, best = [], save_only_plan(graph, []).predicted.peak_bytes
     for v in sorted(forward, key=lambda v: (-graph.nodes[v].out_bytes, v)):
-        peak = save_plan(graph, dropped + [v]).predicted.peak_bytes
+        peak = save_only_plan(graph, dropped + [v]).predicted.peak_bytes
         if peak < best:
             dropped, best = dropped + [v], peak
-    return save_plan(graph, dropped)
+    return save_only_plan(graph, dropped)
 
 
 class Case(NamedTuple):
@@ -222,11 +221,11 @@ def test_a_plan_that_is_not_save_only_is_refused_in_one_line(case):
 def test_save_plan_keeps_all_but_the_chosen_values(case):
     """Nothing recomputed: the store-all peak; otherwise only chosen values run again, after the backward starts."""
     graph, plan = case.graph, case.plans["greedy"]
-    assert save_plan(graph, []).predicted.peak_bytes == store_all_graph_peak(graph)
+    assert save_only_plan(graph, []).predicted.peak_bytes == store_all_graph_peak(graph)
     dropped = set(plan.params["recompute"])
     computes = [op.node for op in plan.schedule if op.kind == "compute"]
     boundary = next(k for k, v in enumerate(computes) if graph.nodes[v].backward)
     assert {v for v in computes[boundary:] if not graph.nodes[v].backward} <= dropped
     assert plan.predicted.peak_bytes < store_all_graph_peak(graph)
     with pytest.raises(MemschedError, match="cannot be recomputed"):
-        save_plan(graph, [graph.size - 1])
+        save_only_plan(graph, [graph.size - 1])

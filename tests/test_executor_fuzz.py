@@ -21,9 +21,10 @@ from torch.testing import assert_close
 
 from planner import MemschedError
 from planner.execute.chain import apply_plan
+from planner.execute.live_memory import LiveMemoryTracker
 from planner.transfer import Transfer
 from profiles.chain_profiler import profile_chain
-from profiles.memory import LiveMemoryTracker, storage_bytes
+from profiles.memory import storage_bytes
 from solvers import OFFLOAD_SOLVERS, SOLVERS, solve, store_all_peak
 from solvers.minimum import minimum_budget
 

@@ -15,7 +15,7 @@ from oracles.graph_brute import fastest_time, least_peak
 from planner.errors import MemschedError
 from planner.graph import save_graph
 from profiles.synthetic import random_graph
-from solvers.graph import graph_lower_bound, solve_graph
+from solvers import graph_lower_bound, solve_graph
 
 
 def reorder_graph():

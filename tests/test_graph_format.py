@@ -1,4 +1,4 @@
-"""memsched.graph/1 (planner/graph.py), the graph simulator and graph plans (planner/plan.py)."""
+"""memsched.graph/1 (planner/graph.py) and graph plans (planner/plan.py): round trips, fingerprints, validation."""
 
 import copy
 import json
@@ -6,13 +6,11 @@ import json
 import pytest
 
 from planner.errors import MemschedError
-from planner.graph import Graph, GraphNode, load_graph, save_graph, schedule_with_frees, store_all_graph_schedule
-from planner.simulate.graph import GraphSimulator, simulate_graph
-from planner.ops import GraphOp
-from planner.plan import Plan, check_graph_plan_matches, check_plan_matches, load_plan, save_plan
+from planner.graph import Graph, GraphNode, load_graph, save_graph
+from planner.plan import Plan, check_plan_matches, load_plan, save_plan
+from planner.simulate import simulate
 from profiles.synthetic import random_chain, random_graph
-from solvers import solve
-from solvers.graph import solve_graph, store_all_graph_peak
+from solvers import solve, solve_graph, store_all_graph_peak
 
 
 def small_graph() -> Graph:
@@ -32,7 +30,8 @@ def test_graph_round_trips(tmp_path):
 
 def test_defaults_and_properties():
     graph = Graph.from_dict({"format": "memsched.graph/1",
-                             "nodes": [{"time": 1, "out_bytes": 4, "deps": []}, {"time": 2, "out_bytes": 1e3, "deps": [0]}]})
+                             "nodes": [{"time": 1, "out_bytes": 4, "deps": []},
+                                       {"time": 2, "out_bytes": 1e3, "deps": [0]}]})
     assert graph.nodes[1] == GraphNode("node1", 2.0, 1000, (0,))
     assert (graph.name, graph.device, graph.source, graph.fixed_bytes) == ("graph", "cpu", "measured", 0)
     assert graph.size == 2 and graph.consumers == ((1,), ()) and graph.compute_time == 3.0
@@ -94,41 +93,6 @@ def test_invalid_graph_is_one_line_naming_the_field(tmp_path, change, fragments)
         assert fragment in message
 
 
-def test_store_all_schedule_and_simulation():
-    graph = small_graph()
-    schedule = store_all_graph_schedule(graph)
-    assert [str(op) for op in schedule] == ["compute 0", "compute 1", "compute 2", "free 0", "compute 3", "free 1",
-                                            "free 3"]
-    result = GraphSimulator(graph).run(schedule)
-    # b: 100 + a 10 + b 20 + tmp 5; c: 100 + 10 + 20 + 3; d: 100 + 20 + 3 + 7
-    assert [step.peak for step in result.timeline if step.op.kind == "compute"] == [110, 135, 133, 130]
-    assert result.peak_bytes == 135 and result.time == graph.compute_time == 3.75
-    assert result.timeline[-1].memory_after == 103
-    assert store_all_graph_peak(graph) == 135
-
-
-def test_eager_frees_with_recomputation():
-    graph = small_graph()
-    ops = schedule_with_frees(graph, [0, 1, 0, 2, 3])  # the first copy of a is read by b only, then recomputed
-    assert [str(op) for op in ops][:4] == ["compute 0", "compute 1", "free 0", "compute 0"]
-    assert GraphSimulator(graph).run(ops).time == 4.75
-
-
-@pytest.mark.parametrize("schedule, fragment", [
-    ([GraphOp("compute", 1)], "operation 0 (compute 1): dep 0 (a) is not resident"),
-    ([GraphOp("compute", 0), GraphOp("compute", 0)], "operation 1 (compute 0): node 0 (a) is already resident"),
-    ([GraphOp("free", 0)], "operation 0 (free 0): node 0 (a) is not resident"),
-    ([GraphOp("compute", 0), GraphOp("compute", 1), GraphOp("compute", 2), GraphOp("free", 2)],
-     "operation 3 (free 2): node 2 (c) is a keep value"),
-    ([GraphOp("compute", 0), GraphOp("compute", 1), GraphOp("compute", 2)], "ends before node 3 (d) is computed"),
-    ([GraphOp("compute", 9)], "operation 0 (compute 9): node must be between 0 and 3"),
-    ([GraphOp("run", 0)], "unknown operation 'run'"),
-])
-def test_invalid_schedules(schedule, fragment):
-    with pytest.raises(MemschedError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        GraphSimulator(small_graph()).run(schedule)
-
-
 def test_graph_plan_round_trips_and_is_checked(tmp_path):
     graph = random_graph(2, 16, scale_bytes=1000)
     plan = solve_graph(graph, store_all_graph_peak(graph) - 1, "checkmate")
@@ -137,18 +101,18 @@ def test_graph_plan_round_trips_and_is_checked(tmp_path):
     assert loaded == plan and loaded.kind == "graph" and loaded.gap == 0.0
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["schedule"][0] == {"op": "compute", "node": 0} and data["solver"]["gap"] == 0.0
-    result = simulate_graph(graph, loaded)
+    result = simulate(graph, loaded)
     assert (result.peak_bytes, result.time) == (plan.predicted.peak_bytes, plan.predicted.time)
     other = random_graph(3, 16, scale_bytes=1000)
     with pytest.raises(MemschedError, match="was solved for graph .* not for graph"):
-        check_graph_plan_matches(plan, other)
+        check_plan_matches(plan, other)
     chain = random_chain(4, 1)
     with pytest.raises(MemschedError, match="plan of kind 'graph'.*not for a chain"):
         check_plan_matches(plan, chain)
     chain_plan = solve(chain, 10**12)
     assert "gap" not in chain_plan.to_dict()["solver"]
     with pytest.raises(MemschedError, match="plan of kind 'chain'.*not for a graph"):
-        check_graph_plan_matches(chain_plan, graph)
+        check_plan_matches(chain_plan, graph)
 
 
 @pytest.mark.parametrize("change, fragment", [

@@ -44,7 +44,8 @@ def test_graph_structure_of_a_transformer():
     assert {p for n in graph.nodes for p in n.params} == parameters
     keep = [n for n in graph.nodes if n.keep]
     assert keep and any(not n.backward for n in keep)  # the loss (forward) and the parameter gradients
-    assert sum(n.out_bytes for n in keep if n.backward) >= sum(p.numel() * 4 for _, m in model.stages for p in m.parameters())
+    assert (sum(n.out_bytes for n in keep if n.backward)
+            >= sum(p.numel() * 4 for _, m in model.stages for p in m.parameters()))
     assert any(n.random for n in graph.nodes) and not any(n.random for n in graph.nodes if n.backward)
     forward = [k for k, n in enumerate(graph.nodes) if not n.backward]
     assert forward == list(range(len(forward)))  # the forward first, then the backward
@@ -87,7 +88,8 @@ def test_node_target():
 @pytest.mark.parametrize("call, expected", [
     (lambda m: profile_graph(m.stages, m.example_inputs, m.loss_fn, nodes=0), "nodes must be a whole number"),
     (lambda m: profile_graph(m.stages, (m.example_inputs[0], 3), m.loss_fn), "example_inputs must be"),
-    (lambda m: profile_graph(m.stages, m.example_inputs, lambda out: out.sum() + undefined_name), "capturing the joint graph failed"),  # noqa: F821
+    (lambda m: profile_graph(m.stages, m.example_inputs, lambda out: out.sum() + undefined_name),  # noqa: F821
+     "capturing the joint graph failed"),
 ])
 def test_bad_input_is_one_line(call, expected):
     with pytest.raises(MemschedError) as info:

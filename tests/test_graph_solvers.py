@@ -14,12 +14,12 @@ import pytest
 
 from oracles.graph_brute import fastest_time, least_peak
 from planner.errors import MemschedError
-from planner.graph import Graph, GraphNode, schedule_with_frees, store_all_graph_schedule
-from planner.simulate.graph import GraphSimulator
+from planner.graph import Graph, GraphNode
+from planner.simulate.graph import GraphSimulator, schedule_with_frees, store_all_graph_schedule
 from profiles.synthetic import random_graph
-from solvers.checkmate import CheckmateModel, checkmate, checkmate_lp
-from solvers.checkmate import least_peak as checkmate_least_peak
-from solvers.graph import graph_lower_bound, graph_minimum, solve_graph, store_all_graph_peak
+from solvers import graph_lower_bound, graph_minimum, solve_graph, store_all_graph_peak
+from solvers.checkmate import checkmate, checkmate_lp, least_frontier_peak
+from solvers.checkmate.model import CheckmateModel
 from solvers.graph_heuristic import greedy_order
 from solvers.moccasin import moccasin
 
@@ -50,7 +50,7 @@ def simulated(graph, solution, budget):
 def test_checkmate_equals_brute_force_over_its_class(seed):
     graph = tiny(seed)
     low = least_peak(graph, frontier=True)
-    assert checkmate_least_peak(graph) == (low, True)
+    assert least_frontier_peak(graph) == (low, True)
     for budget in budgets(graph, low):
         solution = checkmate(graph, budget)
         assert solution.optimal and solution.gap == 0.0

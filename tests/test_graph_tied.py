@@ -18,15 +18,15 @@ from torch import nn
 from torch.testing import assert_close
 
 import cli
-from planner.graph import load_graph
 from planner.execute.graph import GraphExecutor
-from planner.plan import load_plan
+from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.selective import checkpointed_model, is_save_plan, selective_policy
+from planner.graph import load_graph
+from planner.plan import load_plan
 from profiles.graph_profiler import profile_graph
-from profiles.memory import LiveMemoryTracker
 from profiles.reference_step import measured_peak
 from profiles.spec import load_model
-from solvers.graph import solve_graph, store_all_graph_peak
+from solvers import solve_graph, store_all_graph_peak
 from test_cli_graph_train import measured_ratios
 from test_cli_train import run
 from test_execute_selective import MAX_RATIO

@@ -15,10 +15,11 @@ from torch import nn
 import cli
 from planner import Chain, MemschedError, load_chain, load_plan, save_chain, save_plan
 from planner.execute.chain import apply_plan
+from planner.execute.live_memory import LiveMemoryTracker
 from planner.measured_on import MeasuredOn, TensorSpec
 from planner.plan import Plan
 from profiles.chain_profiler import profile_chain
-from profiles.memory import LiveMemoryTracker, storage_bytes
+from profiles.memory import storage_bytes
 from profiles.spec import load_model
 from solvers import solve, store_all_peak
 

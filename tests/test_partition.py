@@ -7,14 +7,23 @@ import itertools
 import json
 
 import pytest
-from oracles.pipeline_plans import store_all_split
 
+from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.simulate.pipeline import (DeviceState, MicroBatch, in_flight, phase_runs, pipeline_time, retained,
-                                        simulate_pipeline, step_peak, sub_chain)
 from planner.plan import Plan
+from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
+from planner.simulate.pipeline import (
+    DeviceState,
+    MicroBatch,
+    in_flight,
+    phase_runs,
+    pipeline_time,
+    retained,
+    step_peak,
+    sub_chain,
+)
 from planner.training_setup import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
@@ -33,7 +42,7 @@ def brute_force(problem):
     """``(T, parts)``: the least iteration time over every partition, each device's option as the solver's."""
     best, best_parts = float("inf"), None
     for parts in compositions(problem.length, problem.devices):
-        options = [problem.option(a, b, problem.k(s)) for s, (a, b) in enumerate(parts)]
+        options = [problem.option(a, b, problem.in_flight(s)) for s, (a, b) in enumerate(parts)]
         if any(o is None for o in options):
             continue
         total = pipeline_time([o.time for o in options], problem.micro_batches, [o.result.sync for o in options])
@@ -44,13 +53,13 @@ def brute_force(problem):
 
 def smallest_memory(problem):
     """Brute force: the least over partitions of the largest requirement."""
-    return min(max(problem.requirement(a, b, problem.k(s)) for s, (a, b) in enumerate(parts))
+    return min(max(problem.requirement(a, b, problem.in_flight(s)) for s, (a, b) in enumerate(parts))
                for parts in compositions(problem.length, problem.devices))
 
 
 def make(chain, devices, memory, micro, schedule, bandwidth=None, setup=None):
-    return PartitionProblem(chain, devices, memory, micro, schedule, bandwidth=bandwidth, latency=1e-5 if bandwidth else 0.0,
-                            setup=setup, slots=200)
+    return PartitionProblem(chain, devices, memory, micro, schedule, bandwidth=bandwidth,
+                            latency=1e-5 if bandwidth else 0.0, setup=setup, slots=200)
 
 
 CASES = [(length, devices, seed) for length, devices, seed in
@@ -67,7 +76,7 @@ def test_dp_equals_brute_force(length, devices, seed):
         setup = setups[(seed + micro) % 2]
         probe = make(chain, devices, 10**15, micro, schedule, bandwidth, setup)
         least = smallest_memory(probe)
-        roomy = max(probe.requirement(a, b, probe.k(s)) for s, a, b in probe.positions())
+        roomy = max(probe.requirement(a, b, probe.in_flight(s)) for s, a, b in probe.positions())
         for memory in sorted({least, least + (roomy - least) // 10, least + (roomy - least) // 3,
                               (least + roomy) // 2, roomy}):
             problem = make(chain, devices, memory, micro, schedule, bandwidth, setup)
@@ -109,9 +118,9 @@ def test_dp_with_shared_parameters_equals_brute_force(length, devices, seed):
         least = smallest_memory(probe)
         plain = make(untied, devices, 10**15, micro, schedule, bandwidth)
         for s, a, b in probe.positions():  # a copy costs its device memory; elsewhere nothing changes
-            grows = probe.requirement(a, b, probe.k(s)) > plain.requirement(a, b, plain.k(s))
+            grows = probe.requirement(a, b, probe.in_flight(s)) > plain.requirement(a, b, plain.in_flight(s))
             assert grows == bool(copies(chain, a, b)), (s, a, b)
-        roomy = max(probe.requirement(a, b, probe.k(s)) for s, a, b in probe.positions())
+        roomy = max(probe.requirement(a, b, probe.in_flight(s)) for s, a, b in probe.positions())
         for memory in sorted({least, (least + roomy) // 2, roomy}):
             expected, _ = brute_force(make(chain, devices, memory, micro, schedule, bandwidth))
             solution = solve_partition(make(chain, devices, memory, micro, schedule, bandwidth))
@@ -120,7 +129,7 @@ def test_dp_with_shared_parameters_equals_brute_force(length, devices, seed):
     assert synced >= 1
     plan = partition(chain, devices, 10**15, 2 * devices, bandwidth=2e8, latency=1e-5)
     assert plan.pipeline.shared == chain.shared and Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    result = simulate_pipeline(chain, plan)
+    result = simulate(chain, plan)
     assert (result.time, result.peak_bytes) == (plan.predicted.time, plan.predicted.peak_bytes)
 
 
@@ -148,7 +157,7 @@ def uniform_chain(length):
 ])
 def test_device_peaks_worked_by_hand(parts, micro, schedule, peaks):
     chain = uniform_chain(2)
-    result = simulate_pipeline(chain, store_all_split(chain, parts, micro, schedule, TrainingSetup("sgd")))
+    result = simulate(chain, store_all_split(chain, parts, micro, schedule, TrainingSetup("sgd")))
     assert [d.peak_bytes for d in result.devices] == peaks
 
 
@@ -181,7 +190,10 @@ def test_step_peak_equals_walking_every_phase():
     import random
 
     rng = random.Random(0)
-    figure = lambda: rng.choice([0, rng.randint(0, 100), rng.randint(0, 10**4)])
+
+    def figure():
+        return rng.choice([0, rng.randint(0, 100), rng.randint(0, 10**4)])
+
     for _ in range(3000):
         schedule, devices = rng.choice(["1f1b", "gpipe"]), rng.randint(1, 6)
         m = rng.randint(devices if schedule == "1f1b" else 1, 40)
@@ -212,7 +224,7 @@ def test_a_million_micro_batches_is_as_fast_as_a_few():
         plans.append(partition(chain, 3, 10**15, m))
         timings.append(time.perf_counter() - started)
     assert timings[1] < 3 * timings[0] + 1.0, timings
-    assert simulate_pipeline(chain, plans[1]).peak_bytes == plans[1].predicted.peak_bytes
+    assert simulate(chain, plans[1]).peak_bytes == plans[1].predicted.peak_bytes
     with pytest.raises(MemschedError) as info:
         partition(chain, 3, 10**15, 2**20 + 1)
     assert "micro_batches (--micro-batches) must be a whole number from 1 to 1048576" in str(info.value)
@@ -236,7 +248,7 @@ def test_one_device_one_micro_batch_is_the_chain_step():
 def pipeline_plan(chain):
     probe = make(chain, 3, 10**15, 6, "1f1b", 2e9)
     least = smallest_memory(probe)
-    roomy = max(probe.requirement(a, b, probe.k(s)) for s, a, b in probe.positions())
+    roomy = max(probe.requirement(a, b, probe.in_flight(s)) for s, a, b in probe.positions())
     return partition(chain, 3, least + (roomy - least) * 2 // 5, 6, "1f1b", bandwidth=2e9, latency=1e-5, slots=200)
 
 
@@ -249,14 +261,14 @@ def test_plan_round_trip_and_prediction(tmp_path):
     assert "schedule" not in data and data["pipeline"]["schedule"] == "1f1b"
     again = Plan.from_dict(data)
     assert again == plan
-    result = simulate_pipeline(chain, again)
+    result = simulate(chain, again)
     assert result.time == plan.predicted.time and result.peak_bytes == plan.predicted.peak_bytes
     for device, figures in zip(plan.pipeline.devices, result.devices):
         assert (device.peak_bytes, device.time) == (figures.peak_bytes, figures.time)
         assert device.peak_bytes <= plan.budget_bytes
     assert plan.predicted.time >= plan.predicted.baseline_time
     with pytest.raises(MemschedError, match="solved for chain"):
-        simulate_pipeline(random_chain(8, seed=5), plan)
+        simulate(random_chain(8, seed=5), plan)
 
 
 BAD = [
@@ -310,7 +322,7 @@ def test_simulator_refuses_a_broken_device_schedule():
     data = pipeline_plan(chain).to_dict()
     data["pipeline"]["devices"][1]["schedule"] = data["pipeline"]["devices"][1]["schedule"][:-1]
     with pytest.raises(MemschedError) as info:
-        simulate_pipeline(chain, Plan.from_dict(data))
+        simulate(chain, Plan.from_dict(data))
     assert "devices[1]" in str(info.value) and "\n" not in str(info.value)
 
 

@@ -23,7 +23,7 @@ import cli
 from planner import MemschedError, save_plan
 from planner.execute.pipeline import _first_failure, _Rank, run_pipeline
 from profiles.memory import memory_meter
-from test_execute_pipeline import M, MICRO, SPEC, chain, mlp_ending_with, plan_for, pytestmark  # noqa: F401 (fixture, mark)
+from test_execute_pipeline import MICRO, SPEC, M, chain, mlp_ending_with, plan_for, pytestmark  # noqa: F401 (fixture, mark)
 
 TESTS = Path(__file__).resolve().parent
 HERE = Path(__file__).resolve()
@@ -119,7 +119,8 @@ def test_ranks_die_with_their_parent_killed_by_sigkill(plan_path, tmp_path):
               f"run_pipeline(functools.partial(t.slow_model, 0.05, {str(mark)!r}), load_plan({str(plan_path)!r}), "
               "100000, meter=memory_meter)\n")
     # (TMPDIR: the killed parent leaves its folder of results behind.)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=TESTS.parent, env={**os.environ, "TMPDIR": str(tmp_path)})
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=TESTS.parent,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
     ranks = []
     try:
         deadline = time.monotonic() + 120
@@ -145,8 +146,8 @@ def test_ranks_die_with_their_parent_killed_by_sigkill(plan_path, tmp_path):
 
 def test_a_rank_whose_parent_died_while_it_started_exits():
     """The parent may die before the rank arms its death signal (while it imports): it is then not its parent."""
-    done = subprocess.run([sys.executable, "-c", "from planner.execute.pipeline import _die_with_parent\n"
-                           "_die_with_parent(1)  # not this process's parent (pytest is)\nprint('survived')"],
+    done = subprocess.run([sys.executable, "-c", "from planner.execute.pipeline_rank import die_with_parent\n"
+                           "die_with_parent(1)  # not this process's parent (pytest is)\nprint('survived')"],
                           cwd=TESTS.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "survived" not in done.stdout, done.stderr
 

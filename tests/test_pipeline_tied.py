@@ -18,12 +18,13 @@ import json
 import pytest
 import torch
 
+from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, load_chain, save_chain
-from planner.simulate.pipeline import device_state, simulate_pipeline, transfer_seconds
 from planner.shared import SharedParameter
+from planner.simulate import simulate
+from planner.simulate.pipeline import device_state, transfer_seconds
 from planner.training_setup import TrainingSetup
-from oracles.pipeline_plans import store_all_split
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model
@@ -101,7 +102,7 @@ def test_each_device_counts_its_copy_and_one_device_counts_it_once(chain):
     readers, are as without the tie. With a channel, the copy's gradient sum is timed once per step."""
     untied = dataclasses.replace(chain, shared=())
     setup = TrainingSetup()
-    with_tie, without = (simulate_pipeline(c, store_all_split(c, SPLIT, M, "1f1b")) for c in (chain, untied))
+    with_tie, without = (simulate(c, store_all_split(c, SPLIT, M, "1f1b")) for c in (chain, untied))
     parameters = TIE.bytes // 4
     n0 = sum(s.param_bytes for s in chain.stages[:2]) // 4
     resident = setup.resident_bytes(n0 + parameters) - setup.resident_bytes(n0)
@@ -111,12 +112,12 @@ def test_each_device_counts_its_copy_and_one_device_counts_it_once(chain):
     assert first.gradient_bytes - without.devices[0].gradient_bytes == gradient
     assert first.peak_bytes - without.devices[0].peak_bytes == resident + gradient
     assert last == without.devices[1]
-    whole = [simulate_pipeline(c, store_all_split(c, [(0, 4)], M, "1f1b")).devices[0] for c in (chain, untied)]
+    whole = [simulate(c, store_all_split(c, [(0, 4)], M, "1f1b")).devices[0] for c in (chain, untied)]
     assert whole[0] == whole[1]
     assert device_state(chain, 0, 4, setup, M) == device_state(untied, 0, 4, setup, M)
     def timed(c):
         plan = store_all_split(c, SPLIT, M, "1f1b")
-        return simulate_pipeline(c, dataclasses.replace(plan, pipeline=dataclasses.replace(
+        return simulate(c, dataclasses.replace(plan, pipeline=dataclasses.replace(
             plan.pipeline, bandwidth=1e6, latency=1e-4)))
 
     result = timed(chain)
@@ -144,7 +145,7 @@ def test_a_plan_that_does_not_count_the_copy_is_refused_in_one_line(chain):
         run_pipeline(functools.partial(untied_lm, M * MICRO), store_all_split(chain, SPLIT, M, "1f1b"), 1,
                      meter=memory_meter)
     # On one device nothing is copied, so a plan of the untied chain that keeps both readers together is fine.
-    from planner.execute.pipeline import synced_parameters
+    from planner.execute.pipeline_rank import synced_parameters
 
     assert synced_parameters(tied_lm(M * MICRO), store_all_split(untied, [(0, 4)], M, "1f1b")) == []
     assert [entry for entry, _, _ in synced_parameters(tied_lm(M * MICRO), store_all_split(chain, SPLIT, M, "1f1b"))] \

@@ -15,7 +15,8 @@ import pytest
 from planner.chain import Chain, Loss, Stage, load_chain
 from planner.errors import MemschedError
 from planner.ops import Op
-from planner.simulate.chain import ScheduleError, simulate
+from planner.simulate import simulate
+from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
@@ -136,7 +137,8 @@ def test_store_all_when_it_fits_and_clear_errors():
     chain = random_chain(6, 1, tmp=True)
     high = simulate(chain, store_all_schedule(chain.length)).peak_bytes
     assert pofo(chain, high, Transfer(1e9, 1e9)).schedule == store_all_schedule(chain.length)
-    with pytest.raises(MemschedError, match="pofo: no schedule.*below the least memory of any recomputation schedule") as info:
+    with pytest.raises(MemschedError,
+                       match="pofo: no schedule.*below the least memory of any recomputation schedule") as info:
         pofo(chain, minimum_budget(chain) // 2, Transfer(1e12, 1e12), time_limit=2)
     assert "\n" not in str(info.value)
     for bad in (-1, float("inf"), "10"):

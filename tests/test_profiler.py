@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from planner import simulate
+from planner.execute.live_memory import LiveMemoryTracker
 from profiles.chain_profiler import build_fake, profile_chain
-from profiles.memory import LiveMemoryTracker, storage_bytes
+from profiles.memory import storage_bytes
 from profiles.reference_step import measured_peak
 from profiles.spec import load_model
 from profiles.zoo import build
@@ -95,7 +96,7 @@ def test_a_non_sequential_model_with_a_mask_argument():
     ids, mask = model.example_inputs
     assert chain.input_bytes == storage_bytes([ids, mask])
     predicted = simulate(chain, store_all_schedule(chain.length)).peak_bytes
-    assert predicted >= measured_peak(model)  # conservative (see docs/formats.md, known limits)
+    assert predicted >= measured_peak(model)  # conservative (see docs/execution.md, known limits)
     fake_model, _ = load_model("tests/fixtures/masked_model.py:build", estimate=True)
     assert sizes(profile(fake_model, estimate=True)) == sizes(chain)
 
@@ -130,7 +131,8 @@ def test_stage_containers_and_structured_outputs(container):
     assert chain.stages[0].out_bytes == 2 * 4 * 16 * 4  # two distinct outputs
     assert chain.stages[2].out_bytes == 4 * 16 * 4
     assert [s.name for s in chain.stages] == (["0", "1", "2"] if container == "sequential" else
-                                              ["stage0", "stage1", "stage2"] if container == "list" else ["s0", "s1", "s2"])
+                                              ["stage0", "stage1", "stage2"] if container == "list" else
+                                              ["s0", "s1", "s2"])
 
 
 def test_profiling_leaves_the_model_as_it_was():

@@ -7,11 +7,13 @@ import pytest
 
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
-from planner.simulate.offload import OffloadSimulator, simulate_offload
-from planner.ops import Op
+from planner.ops import Op, host_weight_stages
 from planner.plan import Plan, Predicted
-from planner.simulate.chain import ScheduleError, simulate
-from planner.transfer import Transfer, parse_bandwidth
+from planner.simulate import simulate
+from planner.simulate.offload import OffloadSimulator
+from planner.simulate.replay import ScheduleError
+from planner.transfer import Transfer
+from planner.units import parse_bandwidth
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 
@@ -157,7 +159,7 @@ def test_free_channel_costs_nothing_and_frees_exactly_the_bytes_away():
             if i - 1 in chosen:
                 backward.append(Op("Prefetch", i - 1, "saved"))
             backward.append(Op("B", i))
-        result = simulate_offload(chain, forward + [Op("Loss")] + backward, fast)
+        result = OffloadSimulator(chain, fast).run(forward + [Op("Loss")] + backward)  # with or without transfers
         assert result.stall_time == 0 and result.time == pytest.approx(plain.time, rel=1e-12)
         away = {op: 0 for op in store_all_schedule(length)}
         for step in plain.timeline:
@@ -231,6 +233,6 @@ def test_shrunk_saved_activation_goes_back_at_its_own_size():
 
 
 def test_simulator_class_is_reusable():
-    simulator = OffloadSimulator(even_chain(), SLOW)
     schedule = ops("F_all 0, Offload 0 saved, F_all 1, F_all 2, Release 0 saved, Loss, B 2, Prefetch 0 saved, B 1, B 0")
-    assert simulator.run(schedule) == simulator.run(schedule) == simulate_offload(even_chain(), schedule, SLOW)
+    simulator = OffloadSimulator(even_chain(), SLOW, host_weight_stages(schedule))
+    assert simulator.run(schedule) == simulator.run(schedule) == simulate(even_chain(), schedule, SLOW)

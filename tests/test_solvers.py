@@ -68,13 +68,15 @@ def _chains_for_exhaustive_search():
         yield seed, small_chain(length, seed, tmp=seed % 2 == 1, params=seed % 3 != 0, own_saved=seed % 7 < 3)
 
 
-@pytest.mark.parametrize("seed, chain", list(_chains_for_exhaustive_search()), ids=lambda v: str(v) if isinstance(v, int) else "")
+@pytest.mark.parametrize("seed, chain", list(_chains_for_exhaustive_search()),
+                         ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_rotor_and_minimum_equal_exhaustive_search(seed, chain):
     low, high = least_peak(chain), store_all_peak(chain)
     assert minimum_budget(chain) == low
     assert simulate(chain, least_memory_schedule(chain)).peak_bytes == low
     rng = np.random.default_rng(seed)
-    budgets = {low, int(rng.integers(low, high + 1))} if chain.length == 5 else {low, int(rng.integers(low, high + 1)), high}
+    budgets = ({low, int(rng.integers(low, high + 1))} if chain.length == 5
+               else {low, int(rng.integers(low, high + 1)), high})
     for budget in sorted(budgets):
         plan = solve(chain, budget, "rotor", slots=budget)
         assert plan.predicted.peak_bytes <= budget

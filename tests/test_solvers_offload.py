@@ -1,4 +1,4 @@
-"""The offload solvers (solvers/offload.py): exact against an exhaustive search, greedy, hand policy, registry."""
+"""The offload solvers (solvers/offload/): exact against an exhaustive search, greedy, hand policy, registry."""
 
 import pytest
 
@@ -6,14 +6,16 @@ from oracles.offload_brute import all_results, best_time
 from planner.errors import MemschedError
 from planner.ops import TRANSFER_OPS
 from planner.plan import Plan
-from planner.simulate.chain import simulate
+from planner.simulate import simulate
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
-from solvers.offload import (build_problem, build_schedule, exact_windows, greedy_windows, least_peak, offload,
-                              offload_all_policy, offload_greedy)
+from solvers.offload import offload, offload_all_policy, offload_greedy
+from solvers.offload.exact import exact_windows
+from solvers.offload.greedy import greedy_windows
+from solvers.offload.problem import build_problem, least_offload_peak, schedule_with_windows
 from solvers.rotor import rotor
 
 FREE = Transfer(1e18, 1e18, 0.0)  # copies take no time: offloading is free
@@ -63,7 +65,7 @@ def test_exact_equals_the_exhaustive_optimum(name, chain, rotor_factor, factors)
         plain = simulate(chain, ops)
         assert results[0][:2] == (plain.peak_bytes, plain.time)
         least = min(peak for peak, _, _ in results)
-        assert least_peak(build_problem(chain, ops, transfer)) == least
+        assert least_offload_peak(build_problem(chain, ops, transfer)) == least
         for budget in _budgets(results):
             expected = best_time(results, budget)
             solution = offload(chain, budget, transfer, schedule=ops, method="exact")
@@ -77,7 +79,7 @@ def test_exact_equals_the_exhaustive_optimum(name, chain, rotor_factor, factors)
             problem = build_problem(chain, ops, transfer)  # the CP-SAT model itself, with and without the hint
             for hint in (None, greedy_windows(problem, budget)):
                 windows, optimal, _, model_time, _ = exact_windows(problem, budget, 30.0, hint=hint)
-                model_plan = simulate(chain, build_schedule(problem, windows), transfer)
+                model_plan = simulate(chain, schedule_with_windows(problem, windows), transfer)
                 assert optimal and model_plan.peak_bytes <= budget and model_plan.time <= model_time + 1e-9
                 assert model_plan.time == pytest.approx(expected, abs=1e-7), (name, factor, budget, hint)
             for other in (offload_greedy(chain, budget, transfer, schedule=ops).schedule if budget >= least else None,
@@ -112,7 +114,7 @@ def test_every_plan_fits_the_simulator(seed):
     chain = random_chain(8, seed, tmp=seed % 2 == 0, params=seed >= 2, own_saved=seed % 2 == 1)
     peak = store_all_peak(chain)
     transfer = channel(chain, [0.5, 1.0, 2.0, 4.0][seed])
-    least = least_peak(build_problem(chain, store_all_schedule(8), transfer))
+    least = least_offload_peak(build_problem(chain, store_all_schedule(8), transfer))
     for fraction in (0.9, 0.5, 0.0):
         budget = int(least + fraction * (peak - least))
         for solver, params in (("offload", {"time_limit": 10}), ("offload_greedy", {})):

@@ -7,11 +7,12 @@ import solvers
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
 from planner.ops import Op
-from planner.simulate.chain import ScheduleError, simulate
+from planner.simulate import simulate
+from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
-from solvers.weights import host_weight_stages, place_weight_transfers, weight_reserve
+from solvers.weights import chosen_weight_stages, place_weight_transfers, weight_reserve
 from test_simulate_offload import ops
 
 CHANNEL = Transfer(d2h_bandwidth=100.0, h2d_bandwidth=50.0, latency=0.0)  # 100 B of weights: 2 s in, 1 s out
@@ -98,14 +99,14 @@ def test_solve_with_host_weights_fits_and_moves_only_the_stages_asked():
 
 def test_weight_arguments_are_checked():
     chain = random_chain(4, 1, params=True)
-    assert host_weight_stages(chain, "all") == (0, 1, 2, 3) and host_weight_stages(chain, [2, 0, 2]) == (0, 2)
+    assert chosen_weight_stages(chain, "all") == (0, 1, 2, 3) and chosen_weight_stages(chain, [2, 0, 2]) == (0, 2)
     for bad, message in [("x", "give 'all' or stage indices"), ("9", "stage 9 does not exist"),
                          ([-1], "stage -1 does not exist")]:
         with pytest.raises(MemschedError, match=message):
-            host_weight_stages(chain, bad)
+            chosen_weight_stages(chain, bad)
     no_params = random_chain(3, 1)
     with pytest.raises(MemschedError, match="none of the stages chosen has parameters"):
-        host_weight_stages(no_params, "all")
+        chosen_weight_stages(no_params, "all")
     with pytest.raises(MemschedError, match="needs? a copy channel|copy channel both ways"):
         solvers.solve(chain, solvers.store_all_peak(chain), "rotor", weights="all")
     with pytest.raises(MemschedError, match="does not hold the parameters of two host-weight stages"):

@@ -25,14 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from planner.execute.chain import _accumulate, apply_plan
+from planner.execute.autograd import accumulate_grads
+from planner.execute.chain import apply_plan
 from planner.execute.graph import GraphExecutor
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.stages import StagedModel
 from profiles.chain_profiler import profile_chain
 from profiles.graph_profiler import profile_graph
-from profiles.memory import LiveMemoryTracker, storage_bytes
-from profiles.zoo import ChainModel
-from solvers import solve, store_all_peak
-from solvers.graph import graph_minimum, solve_graph, store_all_graph_peak
+from profiles.memory import storage_bytes
+from solvers import graph_minimum, solve, solve_graph, store_all_graph_peak, store_all_peak
 from solvers.minimum import minimum_budget
 
 SEED = 5
@@ -98,7 +99,7 @@ class Head(nn.Module):
         return self.out(self.norm(x).mean((2, 3)))
 
 
-def convnext_like() -> ChainModel:
+def convnext_like() -> StagedModel:
     """The stem, ``BLOCKS[0]`` blocks, ``down`` (BatchNorm, a convolution of stride ``DOWN`` widening ``WIDER``
     times), ``BLOCKS[1]`` blocks and the head; cross-entropy against fixed labels."""
     with torch.random.fork_rng(devices=[]):
@@ -116,7 +117,7 @@ def convnext_like() -> ChainModel:
     def loss_fn(output):
         return F.cross_entropy(output, labels)
 
-    return ChainModel("convnext-like", stages, (x,), loss_fn)
+    return StagedModel("convnext-like", stages, (x,), loss_fn)
 
 
 def parameters(model) -> dict:
@@ -229,7 +230,7 @@ def test_graph_plans_measure_their_prediction(threads):
 
 
 # --------------------------------------------------------------------------------------------------
-# _accumulate against AccumulateGrad itself
+# accumulate_grads against AccumulateGrad itself
 
 
 class _Hand(torch.autograd.Function):
@@ -284,11 +285,11 @@ def test_accumulate_keeps_or_copies_as_autograd_does(layout):
     _Hand.apply(real, make_grad, seen).backward()
     grad = make_grad()
     address = grad.data_ptr()
-    _accumulate([ours], [grad])
+    accumulate_grads([ours], [grad])
     assert (ours.grad.data_ptr() == address, ours.grad.stride()) == (real.grad.data_ptr() == seen[0],
                                                                    real.grad.stride())
     again = make_grad()
-    _accumulate([ours], [again])  # into an existing .grad: added in place, its layout kept
+    accumulate_grads([ours], [again])  # into an existing .grad: added in place, its layout kept
     assert ours.grad.data_ptr() != again.data_ptr() and ours.grad.stride() == real.grad.stride()
 
 
@@ -299,7 +300,7 @@ def test_accumulate_frees_each_copied_gradient_before_the_next_copy():
     params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
     with LiveMemoryTracker() as tracker:
         grads = [torch.randn(shape[::-1]).t() for shape in shapes]  # transposed: copied
-        _accumulate(params, grads)
+        accumulate_grads(params, grads)
     size = 64 * 32 * 4
     assert grads == [None, None]
     assert tracker.peak == 3 * size, tracker.peak  # both originals, then one copy beside one original at a time

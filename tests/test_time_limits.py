@@ -2,7 +2,7 @@
 
 A time limit covers everything a solver does (its warm start, building its
 model, each solver call, re-timing), kept to within ``limit + max(1 s, 10%)``
-(:data:`solvers.graph.TIME_LIMIT_TOLERANCE`); a solve that cannot produce any
+(:data:`solvers.TIME_LIMIT_TOLERANCE`); a solve that cannot produce any
 schedule within it says so in one line, with the limit that was given (never a
 fake one such as 0.01 s) and one to give instead. The cases below used to
 overrun: checkmate with a 2 s limit on the 160-node graph took 4.3 s (16-22 s
@@ -24,15 +24,14 @@ from pathlib import Path
 
 import pytest
 
+import solvers.checkmate  # noqa: F401  (imported first: their import, OR-Tools's above all, is not timed)
+import solvers.moccasin  # noqa: F401
 from planner import save_chain
 from planner.errors import MemschedError
 from planner.graph import save_graph
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain, random_graph
-from solvers import store_all_peak
-import solvers.checkmate  # noqa: F401  (imported first: their import, OR-Tools's above all, is not timed)
-import solvers.moccasin  # noqa: F401
-from solvers.graph import TIME_LIMIT_TOLERANCE, solve_graph, store_all_graph_peak
+from solvers import TIME_LIMIT_TOLERANCE, solve_graph, store_all_graph_peak, store_all_peak
 from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time
 from solvers.minimum import minimum_budget
 from solvers.offload import offload
@@ -234,14 +233,15 @@ def test_interrupt_in_the_pofo_table(problems):
 
 def test_interrupt_in_the_rotor_table(problems):
     # the table used to be one numba call, interrupted inside numba's boxing as the least-memory table was
+    # (the module through sys.modules: ``solvers.rotor`` is also the function the package exports)
     assert_interrupted(*interrupted(["solve", str(problems / "rotor.json"), "--budget", "40%", "--solver", "rotor",
-                                     "--slots", "60"], [("sys.modules['solvers.rotor']", "_fill_spans")]))  # (solvers.rotor: the function)
+                                     "--slots", "60"], [("sys.modules['solvers.rotor']", "_fill_spans")]))
 
 
 @pytest.mark.parametrize("graph, solver, mark", [
-    ("small.json", ["--solver", "checkmate"], ("solvers.checkmate.CheckmateModel", "_highs_here")),
-    ("large.json", ["--solver", "checkmate"], ("solvers.checkmate.CheckmateModel", "_highs_child")),
-    ("large.json", ["--solver", "checkmate", "--backend", "cbc"], ("solvers.checkmate.CheckmateModel", "_solve_cbc")),
+    ("small.json", ["--solver", "checkmate"], ("solvers.checkmate.backends", "_highs_here")),
+    ("large.json", ["--solver", "checkmate"], ("solvers.checkmate.backends", "_highs_child")),
+    ("large.json", ["--solver", "checkmate", "--backend", "cbc"], ("solvers.checkmate.model", "solve_cbc")),
     ("small.json", ["--solver", "moccasin", "--time-limit", "60"], ("solvers.moccasin", "run_interruptibly")),
 ])
 def test_interrupt_in_a_graph_solver(problems, graph, solver, mark):

@@ -6,8 +6,7 @@ import solvers
 from planner import simulate
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.training_setup import (OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of,
-                                 setup_chain)
+from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of, setup_chain
 from profiles.synthetic import random_chain
 
 # (params, grads, master) by precision; optimizer state by optimizer; unsharded bytes per parameter.

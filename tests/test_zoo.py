@@ -9,8 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from planner.errors import MemschedError
+from planner.execute.stages import run_stages
 from profiles import zoo
-from profiles.training import plain_forward
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "masked_model.py"
 
@@ -30,7 +30,7 @@ STAGES = {
 
 
 def train_step(stages, example_inputs, loss_fn):
-    loss = loss_fn(plain_forward(stages, example_inputs))
+    loss = loss_fn(run_stages(stages, example_inputs))
     assert loss.dim() == 0 and torch.isfinite(loss)
     loss.backward()
     return loss
@@ -69,12 +69,12 @@ def test_stage_outputs_have_the_expected_shapes():
     o = SCALED["gpt-tiny"]
     gpt = zoo.build("gpt-tiny", **o)
     assert gpt.example_inputs[0].dtype == torch.int64
-    assert plain_forward(gpt.stages, gpt.example_inputs).shape == (o["batch"], o["seq"], o["vocab"])
+    assert run_stages(gpt.stages, gpt.example_inputs).shape == (o["batch"], o["seq"], o["vocab"])
     o = SCALED["resnet-tiny"]
     net = zoo.build("resnet-tiny", **o)
     assert net.example_inputs[0].shape == (o["batch"], 3, o["size"], o["size"])
-    assert plain_forward(net.stages[:1], net.example_inputs).shape == (o["batch"], o["channels"], o["size"], o["size"])
-    assert plain_forward(net.stages, net.example_inputs).shape == (o["batch"], o["classes"])
+    assert run_stages(net.stages[:1], net.example_inputs).shape == (o["batch"], o["channels"], o["size"], o["size"])
+    assert run_stages(net.stages, net.example_inputs).shape == (o["batch"], o["classes"])
 
 
 def test_unet_convs_per_level():
@@ -88,7 +88,7 @@ def test_unet_convs_per_level():
     for stage, module in net.stages:
         convs = sum(isinstance(m, torch.nn.Conv2d) for m in module.modules())
         assert convs == (1 if stage in ("stem", "head") else 3), stage
-    out = plain_forward(net.stages, net.example_inputs)
+    out = run_stages(net.stages, net.example_inputs)
     assert out.shape == (base["batch"], base["classes"], base["size"], base["size"])
 
 
@@ -98,7 +98,7 @@ def test_gpt_attention_is_causal_and_mask_not_persistent():
     changed = ids.clone()
     changed[:, -1] = (changed[:, -1] + 1) % SCALED["gpt-tiny"]["vocab"]
     with torch.no_grad():
-        before, after = plain_forward(gpt.stages, (ids,)), plain_forward(gpt.stages, (changed,))
+        before, after = run_stages(gpt.stages, (ids,)), run_stages(gpt.stages, (changed,))
     assert torch.equal(before[:, :-1], after[:, :-1])  # earlier positions do not see the last token
     assert not torch.equal(before[:, -1], after[:, -1])
     block = gpt.stages[1][1]
@@ -224,19 +224,19 @@ def test_builds_and_steps_under_fake_tensors(name):
         fake = zoo.build(name, **SCALED[name])
         tensors = [t for _, m in fake.stages for t in [*m.parameters(), *m.buffers()]] + list(fake.example_inputs)
         assert all(isinstance(t, FakeTensor) for t in tensors)
-        out = plain_forward(fake.stages, fake.example_inputs)
+        out = run_stages(fake.stages, fake.example_inputs)
         loss = fake.loss_fn(out)
         loss.backward()
         assert loss.shape == () and all(isinstance(p.grad, FakeTensor) for _, p in parameters(fake.stages))
-    assert out.shape == plain_forward(real.stages, real.example_inputs).shape
+    assert out.shape == run_stages(real.stages, real.example_inputs).shape
 
 
 def test_fixture_stages_match_the_model_and_the_mask_matters():
     fixture = load_fixture()
     stages, (ids, mask), _ = fixture.build()
     with torch.no_grad():
-        chained = plain_forward(stages, (ids, mask))
-        unmasked = plain_forward(stages, (ids, torch.ones_like(mask)))
+        chained = run_stages(stages, (ids, mask))
+        unmasked = run_stages(stages, (ids, torch.ones_like(mask)))
     padded = mask[1]  # a padded row: its real positions see other keys with and without the mask
     assert not mask[1].all() and mask[0].all()
     assert not torch.allclose(chained[1][padded], unmasked[1][padded])

@@ -1,66 +1,40 @@
 """The graph executor: runs a graph plan's schedule in a real training step, exactly, and nothing else.
 
-``GraphExecutor(model, plan, graph)`` re-captures the model's joint
-forward+backward graph (planner/execute/capture.py, grouped into the same nodes
-the profile measured), checks that it is the graph the plan was solved for, and
-``step(*inputs)`` runs one training step by the plan:
-
-* ``compute v`` runs node v's operations (ATen calls of the captured graph, in
-  graph order, without autograd: the backward is part of the graph), releases
-  every intermediate after its last use inside the node, and keeps the node's
-  value (its results read by other nodes);
-* ``free v`` drops that value; no other reference exists (no interpreter
-  environment survives a node, autograd records nothing), so the memory is
-  released there, as the graph simulator assumes.
-
-Hence the memory the step allocates follows planner/simulate/graph.py: what is
-resident is ``fixed_bytes`` (parameters, buffers, inputs, targets: already
-allocated) plus the values held, and a node needs its ``tmp_bytes`` on top
-while it runs, both measured by running the node exactly this way.
-
-The step is the unmodified model's: a random node (dropout) replays, on
-recomputation, the random state its first computation started from (random
-nodes first run in index order, the order of the eager step, so the masks are
-the eager ones); updated buffers (BatchNorm's running statistics) are written
-into the model by the first computation only; parameter gradients are written
-to ``.grad`` as autograd's AccumulateGrad does (taken when ``.grad`` is
-``None`` and the layout matches, else added), one per parameter (a tied
-weight's is the sum of its uses, added in the graph); a parameter the step
-gives no gradient keeps its ``.grad``. The loss is returned.
-
-This module does not import the solvers: plans come in, steps go out.
+``GraphExecutor(model, plan, graph)`` re-captures the model's joint forward+backward graph (planner/execute/
+capture.py, grouped into the same nodes the profile measured), checks that it is the graph the plan was solved
+for (:func:`check_same_graph`), and ``step(*inputs)`` runs one training step by the plan: ``compute v`` runs
+node v's operations without autograd (the backward is part of the graph) and keeps its value, ``free v`` drops
+the value, so the memory follows planner/simulate/graph.py. The step is the unmodified model's: dropout masks,
+BatchNorm statistics and gradients as in the plain step; the loss is returned. How: docs/execution.md
+("Graph executor"). This module does not import the solvers: plans come in, steps go out.
 """
 
 import torch
 
 from planner.errors import MemschedError
-from planner.execute.chain import _accumulate, _rng_state, _set_rng_state
+from planner.execute.autograd import accumulate_grads, rng_state, set_rng_state
+from planner.execute.capture import GroupRun, JointGraph, capture
+from planner.execute.stages import StagedModel
 from planner.graph import Graph
-from planner.execute.capture import StepRun, capture
-from planner.simulate.graph import simulate_graph
 from planner.plan import Plan
+from planner.simulate import simulate
 
 
 class GraphExecutor:
     """Runs ``model``'s training step by a graph ``plan`` solved for ``graph`` (see the module docstring).
 
-    ``model``: a :class:`profiles.zoo.ChainModel` (its example inputs and loss are used), or the module or
-    stages given to :func:`profiles.graph_profiler.profile_graph`, with the same ``example_inputs`` and
-    ``loss_fn``. Tensors the loss closes over (targets) are constants of the captured graph: a step reads
-    their current contents, never other tensors.
+    ``model``: a :class:`planner.execute.stages.StagedModel` (its example inputs and loss are used unless given),
+    or the module or stages given to :func:`profiles.graph_profiler.profile_graph`, with the same
+    ``example_inputs`` and ``loss_fn``. Tensors the loss closes over (targets) are constants of the captured
+    graph: a step reads their current contents, never other tensors.
     """
 
     def __init__(self, model, plan: Plan, graph: Graph, example_inputs=None, loss_fn=None):
-        stages = model
-        if hasattr(model, "stages") and hasattr(model, "example_inputs"):
-            stages, example_inputs = model.stages, example_inputs or model.example_inputs
-            loss_fn = loss_fn or model.loss_fn
-        if example_inputs is None:
-            raise MemschedError("GraphExecutor needs example_inputs (the profiled model's) to capture the step")
-        simulate_graph(graph, plan)  # the plan is for this graph and its schedule is valid
+        model = StagedModel.of(model, example_inputs, loss_fn, user="GraphExecutor")
+        simulate(graph, plan)  # the plan is for this graph and its schedule is valid
         self.plan, self.graph = plan, graph
-        self.joint = capture(stages, example_inputs, loss_fn, nodes=graph.size)
-        _check_same_graph(self.joint, graph)
+        self.joint = capture(model, nodes=graph.size)
+        check_same_graph(self.joint, graph)
         computes = [op.node for op in plan.schedule if op.kind == "compute"]
         firsts = list(dict.fromkeys(computes))
         randoms = [v for v in firsts if graph.nodes[v].random]
@@ -80,7 +54,7 @@ class GraphExecutor:
                 for t, e in zip(inputs, self.example_inputs)):
             raise MemschedError("step() takes tensors of the example inputs' shapes and dtypes "
                                 f"({', '.join(f'{tuple(e.shape)} {e.dtype}' for e in self.example_inputs)})")
-        run = StepRun(self.joint, self.joint.fixed_values(inputs))
+        run = GroupRun(self.joint, self.joint.fixed_values(inputs))
         states = {}
         devices = [self.joint.device] if self.joint.device.type == "cuda" else []
         for op in self.plan.schedule:
@@ -89,11 +63,11 @@ class GraphExecutor:
                 run.free(v)
             elif v in self.replayed and v in states:
                 with torch.random.fork_rng(devices=devices):
-                    _set_rng_state(states[v])
+                    set_rng_state(states[v])
                     run.compute(v)
             else:
                 if v in self.replayed:
-                    states[v] = _rng_state()
+                    states[v] = rng_state()
                 run.compute(v)
         loss = run.values[self.loss_group][self.joint.loss_node]
         parameters, grads = [], []
@@ -102,25 +76,27 @@ class GraphExecutor:
             parameters.append(parameter)
             grads.append(run.values[self.joint.group_of[node]][node])
         run.values.clear()
-        _accumulate(parameters, grads)
+        accumulate_grads(parameters, grads)
         return loss
 
 
-def _check_same_graph(joint, graph: Graph) -> None:
+def check_same_graph(joint: JointGraph, graph: Graph) -> None:
     """The re-captured step must be the graph's: the same fixed bytes (so the same parameter and input sizes) and
     groups matching its nodes in names, dependencies, parameters, keep and random."""
     mismatch = "the plan was solved for another graph"
     if len(joint.groups) != graph.size:
         raise MemschedError(f"{mismatch}: this model's captured step has {len(joint.groups)} nodes, the plan's graph "
-                            f"'{graph.name}' {graph.size}; profile this model (memsched profile SPEC --graph) and solve again")
+                            f"'{graph.name}' {graph.size}; "
+                            f"profile this model (memsched profile SPEC --graph) and solve again")
     if joint.fixed_bytes != graph.fixed_bytes:
-        raise MemschedError(f"{mismatch}: its parameters, buffers and inputs take {graph.fixed_bytes} bytes, this model's "
+        raise MemschedError(f"{mismatch}: its parameters, buffers and inputs take {graph.fixed_bytes} bytes, "
+                            f"this model's "
                             f"{joint.fixed_bytes} (another batch size or width?); profile this model and solve again")
     for index, (group, node) in enumerate(zip(joint.groups, graph.nodes)):
         ours = (group.name, tuple(group.deps), tuple(group.params), group.keep, group.random)
         theirs = (node.name, tuple(node.deps), tuple(node.params), node.keep, node.random)
         if ours != theirs:
             field = next(f for f, a, b in zip(("name", "deps", "params", "keep", "random"), ours, theirs) if a != b)
-            raise MemschedError(f"{mismatch}: node {index} differs in {field} ({theirs[0]!r} in the graph '{graph.name}', "
+            raise MemschedError(f"{mismatch}: node {index} differs in {field} "
+                                f"({theirs[0]!r} in the graph '{graph.name}', "
                                 f"{ours[0]!r} in this model's captured step); profile this model and solve again")
-

@@ -1,97 +1,15 @@
-"""A graph plan as a ``torch.utils.checkpoint`` selective-checkpoint policy, for the user's own eager model.
+"""A save-only graph plan as a ``torch.utils.checkpoint`` selective-checkpoint policy, for the user's own eager model.
 
-Some graph plans only choose which forward values to keep for the backward
-(:func:`is_save_plan`). Such a plan can run without memsched's graph
-executor: each stage (and the loss) runs inside
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)``
-and a selective-checkpoint policy marks the ATen operations making the kept
-values ``MUST_SAVE`` and every other one ``PREFER_RECOMPUTE``.
-:func:`selective_policy` builds that policy, :func:`checkpointed` /
-:func:`checkpointed_model` wrap the stages with it, and :func:`save_plan`
-builds a save-only plan from a choice of values to recompute.
-
-**Alignment.** The policy sees the eager model's operations, not the captured
-joint graph's: eager CPU dropout is ``empty_like, bernoulli_, div_, mul``
-where the graph has ``native_dropout``; ``_unsafe_view`` is ``view``;
-in-place operations (``add_`` on ``num_batches_tracked``) are functional in
-the graph; ``native_batch_norm`` is ``_native_batch_norm_legit_functional``.
-So the forward is run once, eagerly, under the checkpoint wrappers with a
-recording policy, which lists every operation each region's policy will be
-asked about (and the storages of its results). That list, all regions in
-order, is aligned with the graph's forward operations in graph order (which
-is the eager execution order) by longest matching blocks
-(:class:`difflib.SequenceMatcher`) on tokens ``(operation name, shape of the
-first result)``, names normalised (trailing ``_`` dropped, ``_unsafe_view`` as
-``view``, batch-norm variants as one name).
-
-**Decisions.** A graph operation is *kept* when its node is kept through the
-forward (resident when the backward starts, never recomputed) and at least
-half of its results' bytes are in the node's value (an operation is cached
-whole or not at all: BatchNorm's forward, whose node keeps only the batch
-statistics, is recomputed from its input rather than cached with its
-activation-sized output). An eager operation paired with a graph operation
-follows it. An eager operation in an unmatched stretch follows the graph
-operations of that stretch (all kept: kept; none kept: recomputed; mixed:
-kept, the conservative choice for time); a stretch with no graph operation
-follows the graph operation before it. These are the *conservative* cases,
-counted in :attr:`SelectivePolicy.unaligned`. A kept eager operation is turned
-into the storages it makes, and ``MUST_SAVE`` goes to the operation that made
-each such storage in the region, with four exceptions, all recomputed:
-
-* views (their storage is another operation's, saved or not with it);
-* storages made outside the region (parameters, buffers, the region's input);
-* storages written in place after they were made (dropout's mask, made by
-  ``empty_like`` then written by ``bernoulli_`` and ``div_``): checkpoint's
-  cache records a tensor's version inside the dispatch, before autograd bumps
-  it for the write, so a cached in-place result always reads as mutated and
-  the backward fails; and a cached tensor written later would be wrong;
-* random operations: ``checkpoint`` replays the random state at the start of
-  the region, so every random operation of a region must run again, in order,
-  for later ones to draw the same numbers (a cached random operation would
-  shift the stream); dropout's masks are then the eager ones.
-
-So a kept dropout saves its output (``mul``) and recomputes its mask (the
-random operations run again anyway).
-
-**BatchNorm.** A recomputed BatchNorm would update its running statistics a
-second time; the wrapper runs a recomputation with throw-away copies of the
-region's normalisation buffers (made at the forward, outside the checkpoint's
-dispatch modes), so the statistics are those of the plain step.
-
-**What the memory looks like.** Kept values are cached from the forward to
-the region's recomputation, as the plan keeps them; but ``checkpoint`` also
-keeps each region's input (the previous stage's output) whatever the plan
-says, until the last of the region's backward operations that saved a
-tensor has run; at the first backward unpacking of any saved tensor of a
-region it recomputes the region at once, up to its last saved tensor, and
-holds each recomputed saved tensor until the backward operation that saved
-it has run (the plan recomputes node by node, right before each node's
-first backward consumer); and autograd saves the eager operations' tensors
-(a float dropout mask where the graph keeps a bool one). So the peak under
-the policy is not the plan's (1.00-1.13 of it on the tests' models).
-:attr:`SelectivePolicy.predicted_peak_bytes` is the peak of the step as it
-runs: the checkpointed step run once on fake tensors (``FakeTensorMode``:
-the same operations, caches, recomputations and frees, nothing allocated;
-about a second on the tests' models), counted in storage bytes by the
-tracker that measures CPU steps (profiles/memory.py), plus ``fixed_bytes``.
-The measured peak equals it to the byte on the tests' models, at any thread
-count. A schedule of the plan's own graph doing what ``checkpoint`` does
-would not be exact: the graph's nodes straddle the stages (a stage's output,
-kept by the next region, is often an intermediate of a node that also runs
-the next stage's first operations), and its backward is the joint graph's,
-not eager autograd's (gpt-tiny's plain eager step peaks 3% above the graph's
-store-all schedule, resnet-tiny's 7% below); such a schedule came out at
-0.95-1.09 of the measured peaks.
-
-Counting: the policy of a region answers its ``k``-th call with the ``k``-th
-recorded decision and checks that the operation is the recorded one (a
-forward running other operations, such as another model or ``torch.compile``'s
-traced ones, raises :class:`MemschedError`; other input shapes running the same
-operations are not detected, and keep the decisions recorded for the example
-inputs). Pass ``policy.regions[region].context_fn`` as ``checkpoint``'s
-``context_fn`` (it restarts the count); ``functools.partial(
-create_selective_checkpoint_contexts, policy.regions[region])`` works too, as
-the count wraps around after one forward.
+Some graph plans only choose which forward values to keep for the backward (:func:`is_save_plan`; one is
+built by :func:`solvers.save_only.save_only_plan`). Such a plan can run without the graph executor:
+:func:`selective_policy` aligns the eager forward's operations with the captured graph's and builds one
+policy per stage and one for the loss (:class:`SelectivePolicy`); :func:`checkpointed` /
+:func:`checkpointed_model` run each stage and the loss inside
+``checkpoint(..., use_reentrant=False, context_fn=...)``, the operations making the kept values ``MUST_SAVE``
+and every other one ``PREFER_RECOMPUTE``. The peak under the policy is not the plan's (``checkpoint`` keeps
+each region's input and recomputes a region at once); :attr:`SelectivePolicy.predicted_peak_bytes` is the
+step as it runs, counted on fake tensors. Alignment, decisions, BatchNorm, memory and counting:
+docs/execution.md ("Selective-checkpoint policies").
 """
 
 import contextlib
@@ -101,16 +19,17 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.errors import MemschedError
-from planner.execute.stages import named_stages
-from planner.graph import Graph, schedule_with_frees
-from planner.execute.capture import _fake, capture, default_loss, preserved_joint_state
-from planner.execute.graph import _check_same_graph
-from planner.simulate.graph import GraphSimulator, simulate_graph
-from planner.plan import Plan, Predicted
-from profiles.memory import LiveMemoryTracker
+from planner.execute.capture import capture, fake_copy, preserved_joint_state
+from planner.execute.graph import check_same_graph
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.stages import StagedModel, default_loss, named_stages, run_stages
+from planner.graph import Graph
+from planner.plan import Plan
+from planner.simulate import simulate
 
 LOSS_REGION = "(loss)"  # the region running the loss function
 _SAC_IGNORED = {torch.ops.aten.detach.default, torch.ops.prim.device.default}  # never shown to a policy
@@ -123,8 +42,9 @@ _SAME_OP = {"_unsafe_view": "view", "_native_batch_norm_legit_functional": "nati
 
 
 def save_plan_problem(plan: Plan, graph: Graph):
-    """Why ``plan`` is not a save-only plan of ``graph`` (one line), or ``None`` when it is (see :func:`is_save_plan`)."""
-    simulate_graph(graph, plan)  # a graph plan, for this graph, valid
+    """Why ``plan`` is not a save-only plan of ``graph`` (one line), or ``None`` when it is
+    (see :func:`is_save_plan`)."""
+    simulate(graph, plan)  # a graph plan, for this graph, valid
     nodes = graph.nodes
     computes = [(position, op.node) for position, op in enumerate(plan.schedule) if op.kind == "compute"]
     boundary = next((position for position, v in computes if nodes[v].backward), len(plan.schedule))
@@ -164,50 +84,6 @@ def is_save_plan(plan: Plan, graph: Graph) -> bool:
     return save_plan_problem(plan, graph) is None
 
 
-def save_plan(graph: Graph, recompute, budget_bytes: int = None) -> Plan:
-    """The save-only plan keeping every forward value but those in ``recompute`` (forward node indices).
-
-    The forward nodes run once in index order, each value freed after its last
-    use; then the backward nodes in index order, each preceded by the
-    recomputation (once, in index order) of the nodes of ``recompute`` it needs,
-    directly or through other recomputed nodes. A node of ``recompute`` that no
-    backward node needs is freed after the forward and not recomputed.
-    Frees are eager (:func:`planner.graph.schedule_with_frees`), so a value a
-    recomputation reads is kept. ``budget_bytes`` defaults to the plan's peak.
-    """
-    dropped = set(recompute)
-    for v in dropped:
-        if not 0 <= v < graph.size or graph.nodes[v].backward or graph.nodes[v].keep:
-            raise MemschedError(f"node {v} cannot be recomputed: give indices of forward nodes that are not kept "
-                                f"(0 to {graph.size - 1}, not backward, not keep)")
-    order = [v for v, node in enumerate(graph.nodes) if not node.backward]
-    redone = set()
-
-    def needed(v, into):
-        for dep in graph.nodes[v].deps:
-            if dep in dropped and dep not in redone and dep not in into:
-                into.add(dep)
-                needed(dep, into)
-
-    for b, node in enumerate(graph.nodes):
-        if node.backward:
-            wanted = set()
-            needed(b, wanted)
-            order.extend(sorted(wanted))
-            redone |= wanted
-            order.append(b)
-    schedule = schedule_with_frees(graph, order)
-    result = GraphSimulator(graph).run(schedule)
-    budget = result.peak_bytes if budget_bytes is None else budget_bytes
-    if result.peak_bytes > budget:
-        raise MemschedError(f"the save-only plan peaks at {result.peak_bytes} bytes, above the budget {budget} bytes; "
-                            "recompute more values or raise the budget")
-    return Plan(problem_name=graph.name, fingerprint=graph.fingerprint(), solver="save",
-                params={"recompute": sorted(dropped)}, budget_bytes=budget,
-                predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=graph.compute_time),
-                schedule=schedule, optimal=False, kind="graph")
-
-
 # --------------------------------------------------------------------------------------------------
 # The policy
 
@@ -234,7 +110,8 @@ class RegionPolicy:
         if k >= len(self.ops) or op != self.ops[k]:
             expected = self.ops[k] if k < len(self.ops) else "the end of the region"
             raise MemschedError(f"region {self.name!r}: operation {k} is {op}, the recorded forward ran {expected}; "
-                                "the policy was built for another forward (inputs, model or torch.compile); build it again")
+                                "the policy was built for another forward (inputs, model or torch.compile); "
+                                "build it again")
         self._calls = (k + 1) % len(self.ops)
         decision = self.decisions[k]
         if decision == CheckpointPolicy.MUST_SAVE:
@@ -246,7 +123,8 @@ class RegionPolicy:
         return decision
 
     def context_fn(self):
-        """``create_selective_checkpoint_contexts(self)`` with the count restarted: a ``context_fn`` for ``checkpoint``."""
+        """``create_selective_checkpoint_contexts(self)`` with the count restarted: a ``context_fn`` for
+        ``checkpoint``."""
         self._calls = 0
         return create_selective_checkpoint_contexts(self)
 
@@ -258,7 +136,7 @@ class RegionPolicy:
 
 @dataclass
 class SelectivePolicy:
-    """A save-only graph plan as per-region policies (see the module docstring).
+    """A save-only graph plan as per-region policies (docs/execution.md, "Selective-checkpoint policies").
 
     ``regions``: region name (a stage name, or :data:`LOSS_REGION`) -> :class:`RegionPolicy`.
     ``kept``: the graph operations the plan keeps that lie in the regions, as ``(node index, fx name,
@@ -267,8 +145,8 @@ class SelectivePolicy:
     enclosing stretch, as ``(region, position, operation, "save" | "recompute")``.
     ``kept_bytes``: the plan's resident bytes when the backward starts, less ``fixed_bytes``.
     ``predicted_peak_bytes``: the peak of one step run under the policy, gradients ``None`` at the start,
-    ``fixed_bytes`` included (as the plan's predicted peak): that step counted once on fake tensors (see the
-    module docstring, "What the memory looks like").
+    ``fixed_bytes`` included (as the plan's predicted peak): that step counted once on fake tensors
+    (docs/execution.md, "What the memory looks like").
     """
 
     regions: dict
@@ -286,7 +164,7 @@ class SelectivePolicy:
 def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_fn=None) -> SelectivePolicy:
     """The selective-checkpoint policy running the save-only ``plan`` of ``graph`` on the eager ``model``.
 
-    ``model``: a :class:`profiles.zoo.ChainModel`, or the stages given to
+    ``model``: a :class:`planner.execute.stages.StagedModel`, or the stages given to
     :func:`profiles.graph_profiler.profile_graph` with the same ``example_inputs`` and ``loss_fn``. The model
     is captured again (refused if its graph is not ``graph``), its forward run once under recording
     policies, on the example inputs, and then its step once under the policy on fake tensors
@@ -299,21 +177,17 @@ def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_
         raise MemschedError(f"plan for graph '{graph.name}' is not save-only ({problem}), so no selective-checkpoint "
                             "policy can run it; run it with the graph executor (planner.execute.graph.GraphExecutor, "
                             "memsched train SPEC --graph)")
-    stages, example_inputs, loss_fn = _parts(model, example_inputs, loss_fn)
-    joint = capture(stages, example_inputs, loss_fn, nodes=graph.size)
-    _check_same_graph(joint, graph)
+    model = StagedModel.of(model, example_inputs, loss_fn, user="selective_policy")
+    pairs, example_inputs, loss_fn = model.stages, model.example_inputs, model.loss_fn
+    joint = capture(model, nodes=graph.size)
+    check_same_graph(joint, graph)
     kept_nodes, kept_bytes = _kept(plan, graph)
     graph_ops = _graph_forward(joint, kept_nodes)
-    pairs = _pairs(stages)
     recorders = {name: _Recorder(name) for name, _ in pairs}
     recorders[LOSS_REGION] = _Recorder(LOSS_REGION)
     with preserved_joint_state(joint):
         wrapped, wrapped_loss = checkpointed(pairs, recorders, loss_fn)
-        activation = example_inputs[0]
-        for _, stage in wrapped:
-            activation = stage(activation, *example_inputs[1:])
-        wrapped_loss(activation)
-        del activation
+        wrapped_loss(run_stages(wrapped, example_inputs))
     calls = [call for recorder in recorders.values() for call in recorder.calls]
     wants, conservative = _align(calls, graph_ops)
     regions, where = {}, []
@@ -330,20 +204,6 @@ def selective_policy(plan: Plan, graph: Graph, model, example_inputs=None, loss_
     peak = _peak_on_fake_tensors(wrapped, wrapped_loss, loss_fn, example_inputs) + graph.fixed_bytes
     return SelectivePolicy(regions=regions, kept=kept, unaligned=unaligned, kept_bytes=kept_bytes,
                            predicted_peak_bytes=peak)
-
-
-def _parts(model, example_inputs, loss_fn):
-    if hasattr(model, "stages") and hasattr(model, "example_inputs"):
-        return model.stages, example_inputs or model.example_inputs, loss_fn or model.loss_fn
-    if example_inputs is None:
-        raise MemschedError("selective_policy needs example_inputs (the profiled model's) to capture and record the step")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    return model, inputs, loss_fn
-
-
-def _pairs(stages) -> list:
-
-    return named_stages(stages)
 
 
 def _kept(plan: Plan, graph: Graph):
@@ -462,7 +322,8 @@ def _graph_forward(joint, kept_nodes) -> list:
 
 
 def _root(node):
-    """``(fx node, result index)`` whose storage ``node``'s value is: through getitem and views; None for fixed values."""
+    """``(fx node, result index)`` whose storage ``node``'s value is: through getitem and views; None for fixed
+    values."""
     index = 0
     while True:
         if node.op != "call_function":
@@ -482,7 +343,8 @@ def _root(node):
 
 
 def _align(calls: list, graph_ops: list):
-    """Per eager call, whether the plan keeps it, and the calls decided by their stretch (see the module docstring).
+    """Per eager call, whether the plan keeps it, and the calls decided by their stretch (docs/execution.md,
+    "Decisions").
 
     Sets the ``partner`` of the graph operations paired one to one with an eager call."""
     matcher = difflib.SequenceMatcher(None, [c.token for c in calls], [g.token for g in graph_ops], autojunk=False)
@@ -535,6 +397,12 @@ def _decisions(calls: list, wants: list) -> tuple:
 # Running a model under the policy
 
 
+# NOTE [selective BatchNorm]
+# A recomputed BatchNorm would update its running statistics a second time. The chain executor's guard
+# (planner.execute.autograd.running_statistics_kept) clones the statistics when the recomputation starts; here
+# that clone would run inside checkpoint's recompute dispatch mode, so the region's policy would be asked about
+# an operation the recorded forward never ran (and the fake-tensor peak would count it there). So the copies
+# are made at the forward, outside checkpoint's dispatch modes, and only swapped in for the recomputation.
 class _SelectiveStage(torch.nn.Module):
     """A stage run by ``checkpoint`` with a region's policy; a recomputation uses throw-away normalisation buffers."""
 
@@ -589,7 +457,7 @@ def checkpointed(stages, policy, loss_fn=None):
     plain step: ``loss = loss_fn(stage_n(...stage_0(x)))``; ``loss.backward()``.
     """
     regions = policy.regions if isinstance(policy, SelectivePolicy) else policy
-    pairs = [(name, _SelectiveStage(module, regions[name])) for name, module in _pairs(stages)]
+    pairs = [(name, _SelectiveStage(module, regions[name])) for name, module in named_stages(stages)]
     loss_policy = regions[LOSS_REGION]
     inner = loss_fn or default_loss
 
@@ -600,7 +468,8 @@ def checkpointed(stages, policy, loss_fn=None):
 
 
 def checkpointed_model(model, policy: SelectivePolicy):
-    """The :class:`profiles.zoo.ChainModel` ``model`` with its stages and loss run under ``policy`` (same parameters)."""
+    """The :class:`planner.execute.stages.StagedModel` ``model`` with its stages and loss run under ``policy``
+    (same parameters)."""
     pairs, loss = checkpointed(model.stages, policy, model.loss_fn)
     return dataclasses.replace(model, stages=pairs, loss_fn=loss)
 
@@ -621,11 +490,7 @@ class _Step(torch.nn.Module):
 
     def forward(self, first, *extra):
         with LiveMemoryTracker() as tracker:
-            activation = first
-            for stage in self.stages:
-                activation = stage(activation, *extra)
-            loss = self.loss(activation)
-            del activation
+            loss = self.loss(run_stages(enumerate(self.stages), (first, *extra)))
             loss.backward()
         return tracker.peak
 
@@ -637,8 +502,6 @@ def _peak_on_fake_tensors(pairs, loss, loss_fn, example_inputs) -> int:
     whole step, forward and backward (so the recomputations too), gradients ``None`` at the start; the model's
     own tensors, gradients and the random state are left as found.
     """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
     step = _Step(pairs, loss, loss_fn)
     named = [*step.named_parameters(remove_duplicate=False), *step.named_buffers(remove_duplicate=False)]
     existing = (t.fake_mode for t in [*(t for _, t in named), *example_inputs] if isinstance(t, FakeTensor))
@@ -646,9 +509,9 @@ def _peak_on_fake_tensors(pairs, loss, loss_fn, example_inputs) -> int:
     fakes, state = {}, {}
     for name, tensor in named:
         if id(tensor) not in fakes:
-            fakes[id(tensor)] = _fake(mode, tensor.detach()).requires_grad_(tensor.requires_grad)
+            fakes[id(tensor)] = fake_copy(mode, tensor.detach()).requires_grad_(tensor.requires_grad)
         state[name] = fakes[id(tensor)]
-    inputs = tuple(_fake(mode, t) for t in example_inputs)
+    inputs = tuple(fake_copy(mode, t) for t in example_inputs)
     device = example_inputs[0].device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), mode:
         return torch.func.functional_call(step, state, inputs)

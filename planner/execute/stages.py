@@ -1,30 +1,91 @@
-"""Stages as the profiler, the executor and the graph tools take them: ``[(name, module), ...]``; and the model
-state a measuring run must leave as it found."""
+"""The staged model every executor, the profilers and the zoo share, and the helpers that run it.
+
+:class:`StagedModel`: stages ``[(name, module), ...]`` in chain order, example inputs ``(a_0, *extra)`` and a
+loss. Stage ``k`` is called as ``module(a_k, *extra)`` (:func:`run_stages`); ``loss_fn(a_L)`` returns a scalar.
+:meth:`StagedModel.of` accepts a model or the ``(stages, example_inputs, loss_fn)`` the profilers take.
+:func:`preserved_state` restores what a measuring run changes; :func:`default_loss`, :func:`checked_device` and
+:func:`quiet_fake_tensor_log` are shared by the capture, the profilers and the CLI.
+"""
 
 import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from planner.errors import MemschedError
 
 
+def default_loss(output):
+    """The loss used when a model gives none: the mean of the first tensor of the last output."""
+    return [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)][0].float().mean()
+
+
+@dataclass
+class StagedModel:
+    """A model split into a chain of stages, with example inputs and a loss (see the module docstring)."""
+
+    name: str
+    stages: list  # [(stage_name, module)] in chain order
+    example_inputs: tuple  # (first_stage_input, *extra_args)
+    loss_fn: Callable  # loss_fn(last_stage_output) -> scalar tensor
+    options: dict = field(default_factory=dict)  # the options it was built with (the zoo's), defaults filled in
+
+    @classmethod
+    def of(cls, model, example_inputs=None, loss_fn=None, *, user: str = "this", name: str = "model"):
+        """``model`` as a :class:`StagedModel`: a staged model (``example_inputs`` and ``loss_fn``, when given,
+        replace its own), or a module or stages (as :func:`named_stages` takes them; one ``nn.Module`` that is no
+        container is one stage ``"model"``) with ``example_inputs`` (one tensor or a tuple) and ``loss_fn``
+        (default :func:`default_loss`). ``user`` names the caller in the error for missing inputs."""
+        if isinstance(model, StagedModel):
+            inputs = model.example_inputs if example_inputs is None else _as_tuple(example_inputs)
+            return dataclasses.replace(model, example_inputs=inputs, loss_fn=loss_fn or model.loss_fn)
+        if example_inputs is None:
+            raise MemschedError(f"{user} needs example_inputs (the profiled model's) to capture the step")
+        if isinstance(model, torch.nn.Module) and not isinstance(model, (torch.nn.Sequential, torch.nn.ModuleList)):
+            stages = [("model", model)]
+        else:
+            stages = named_stages(model)
+        return cls(name, stages, _as_tuple(example_inputs), loss_fn or default_loss)
+
+
+def _as_tuple(example_inputs) -> tuple:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
 def named_stages(stages) -> list:
-    """``[(name, module), ...]`` from an ``nn.Sequential``/``nn.ModuleList``, a list of modules or of pairs, or a dict."""
+    """``[(name, module), ...]`` from an ``nn.Sequential``/``nn.ModuleList``, a list of modules or of pairs, or a
+    dict."""
     if isinstance(stages, torch.nn.Sequential):
         pairs = list(stages.named_children())
     elif isinstance(stages, dict):
         pairs = list(stages.items())
     elif isinstance(stages, (list, tuple, torch.nn.ModuleList)):
-        pairs = [item if isinstance(item, tuple) and len(item) == 2 else (f"stage{k}", item) for k, item in enumerate(stages)]
+        pairs = [item if isinstance(item, tuple) and len(item) == 2 else (f"stage{k}", item)
+                 for k, item in enumerate(stages)]
     else:
-        raise MemschedError(f"stages must be an nn.Sequential, an nn.ModuleList, a list of modules or of (name, module) "
+        raise MemschedError(f"stages must be an nn.Sequential, an nn.ModuleList, a list of modules "
+                            f"or of (name, module) "
                             f"pairs, or a dict of them; got {type(stages).__name__}")
     for name, module in pairs:
         if not isinstance(name, str) or not callable(module):
-            raise MemschedError(f"stage {name!r}: expected (name, module) with a callable module, got {type(module).__name__}")
+            raise MemschedError(f"stage {name!r}: expected (name, module) with a callable module, "
+                                f"got {type(module).__name__}")
     if not pairs:
         raise MemschedError("no stages to profile: give at least one module")
     return pairs
+
+
+def run_stages(stages, inputs):
+    """The plain forward: ``a_{k+1} = module_k(a_k, *inputs[1:])`` over ``stages`` (``(name, module)`` pairs) from
+    ``a_0 = inputs[0]``; returns the last output."""
+    activation, extra = inputs[0], inputs[1:]
+    for _, module in stages:
+        activation = module(activation, *extra)
+    return activation
 
 
 @contextlib.contextmanager
@@ -42,3 +103,23 @@ def preserved_state(modules, device):
                     buffer.copy_(saved)
             for parameter, grad in grads:
                 parameter.grad = grad
+
+
+def checked_device(device) -> torch.device:
+    """``device`` as a torch device, or a one-line error when it is CUDA and this machine has none."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemschedError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log():
+    """A stage failing on fake tensors makes torch log a traceback; the one-line error names it instead."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

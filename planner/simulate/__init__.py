@@ -1,8 +1,89 @@
 """The judges: torch-free simulators that replay a plan and predict its peak bytes and seconds.
 
-:func:`simulate` is the one entry; the rules each simulator applies are in docs/model.md.
+:func:`simulate` is the one entry: it checks a plan against its problem and hands the schedule to the
+simulator for it, chain (:mod:`.chain`), offload (:mod:`.offload`, a chain schedule with transfers), graph
+(:mod:`.graph`) or pipeline (:mod:`.pipeline`). :func:`check_schedule` and :func:`check_plan_schedules`
+refuse a schedule that cannot run without the problem. The rules are in docs/model.md.
 """
 
-from planner.simulate.chain import simulate
+from planner.chain import Chain, Loss, Stage
+from planner.errors import MemschedError
+from planner.graph import Graph
+from planner.ops import TRANSFER_OPS, host_weight_stages, planned_stages
+from planner.plan import Plan, check_plan_matches
+from planner.simulate.chain import ChainSimulator
+from planner.simulate.graph import GraphSimulator
+from planner.simulate.offload import OffloadSimulator
+from planner.simulate.pipeline import pipeline_result, to_local
+from planner.simulate.replay import ScheduleError
+from planner.transfer import Transfer
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "check_schedule", "check_plan_schedules"]
+
+_NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
+
+
+def simulate(problem, plan_or_schedule, transfer: Transfer = None):
+    """Peak bytes, seconds and per-operation timeline of a plan (checked against ``problem``) or a schedule.
+
+    ``problem`` is a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`. A chain schedule with
+    transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
+    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A plan of kind ``pipeline``
+    gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
+    :class:`planner.simulate.replay.SimResult`.
+    """
+    if isinstance(plan_or_schedule, Plan):
+        check_plan_matches(plan_or_schedule, problem)
+        if plan_or_schedule.kind == "pipeline":
+            return pipeline_result(problem, plan_or_schedule.pipeline)
+        schedule = plan_or_schedule.schedule
+        transfer = plan_or_schedule.transfer or transfer
+    else:
+        schedule = plan_or_schedule
+    if isinstance(problem, Graph):
+        return GraphSimulator(problem).run(schedule)
+    if any(op.kind in TRANSFER_OPS for op in schedule):
+        channel = transfer or problem.transfer
+        if channel is None:
+            raise MemschedError(f"chain '{problem.name}' has no copy channel for this offload schedule; give one "
+                                "(--bandwidth 16GB/s) or profile on CUDA")
+        return OffloadSimulator(problem, channel, host_weight_stages(schedule)).run(schedule)
+    return ChainSimulator(problem).run(schedule)
+
+
+def check_schedule(schedule, length: int) -> None:
+    """Refuse a chain schedule that no chain of ``length`` stages can run, without the chain.
+
+    Which rule an operation breaks (an input not in memory, a backward repeated or missing, no ``Loss``, an
+    item moved that is not there...) does not depend on the stages' sizes, so the simulator's own rules are
+    replayed on ``length`` stages of zero bytes and seconds: a schedule with transfers by the offload
+    simulator, over a channel of 1 B/s each way. The first broken rule is a :class:`ScheduleError` naming the
+    operation's index and the rule, as :func:`simulate` names it; only the rules that need sizes (a host-weight
+    stage's gradients left on the device where it has some) are left to :func:`simulate` with the chain.
+    """
+    if length < 1:
+        raise ScheduleError("schedule runs no forward or backward of any stage; a chain has at least one stage")
+    chain = Chain(name="schedule check", device="none", input_bytes=0, stages=(_NO_SIZES,) * length, loss=Loss())
+    if any(op.kind in TRANSFER_OPS for op in schedule):
+        OffloadSimulator(chain, Transfer(1.0, 1.0), host_weight_stages(schedule)).run(schedule)
+    else:
+        ChainSimulator(chain).run(schedule)
+
+
+def check_plan_schedules(plan: Plan, where: str = "plan") -> None:
+    """:func:`check_schedule` on a plan's schedule (kind ``chain``: as many stages as it computes) or on each
+    pipeline device's (its own stages, numbered from 0 on the device); a graph plan is left to the graph
+    simulator, which needs the graph. ``where`` names the plan in the error."""
+    try:
+        if plan.kind == "chain":
+            check_schedule(plan.schedule, planned_stages(plan.schedule))
+    except ScheduleError as exc:
+        raise ScheduleError(f"{where}: {exc}") from None
+    if plan.kind != "pipeline":
+        return
+    for k, device in enumerate(plan.pipeline.devices):
+        try:
+            check_schedule(to_local(device.schedule, device.first), device.last - device.first)
+        except ScheduleError as exc:
+            raise ScheduleError(f"{where}: pipeline.devices[{k}] (stages {device.first} to {device.last - 1}, "
+                                f"numbered from 0 on the device): {exc}") from None

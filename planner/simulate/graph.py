@@ -1,27 +1,16 @@
-"""The graph simulator: replays a graph schedule and predicts its peak memory and time.
+"""The graph simulator: replays a graph schedule and predicts its peak bytes and seconds; graph schedules.
 
-It is the judge of every graph solver, as planner/simulate/chain.py is for chains.
-A schedule is a sequence of :class:`planner.plan.GraphOp`; with ``resident``
-the values held between operations and ``fixed`` the graph's ``fixed_bytes``:
-
-* ``compute v``: every dependency of ``v`` must be resident and ``v`` must not
-  be; while it runs, memory is ``fixed + Σ out_bytes(resident) + out_bytes(v) +
-  tmp_bytes(v)``; afterwards ``v`` is resident. It takes ``time(v)`` seconds.
-* ``free v``: ``v`` must be resident and not ``keep``; it takes no time and
-  allocates nothing.
-* At the end every node has been computed at least once (so every ``keep``
-  value, never freed, is resident).
-
-The peak is the largest memory over the computations and the end state; the
-time is the sum of the computations' times.
+It is the judge of every graph solver, as planner/simulate/chain.py is for chains; its rules (``compute v``,
+``free v``, the end state) are in docs/model.md, "The graph simulator". :class:`GraphSimulator` follows the
+protocol of :func:`planner.simulate.replay.run`. :func:`schedule_with_frees` turns an order of computations
+into a schedule that frees each value as early as it can.
 """
 
 from typing import NamedTuple
 
 from planner.graph import Graph
 from planner.ops import GraphOp
-from planner.plan import Plan, check_graph_plan_matches
-from planner.simulate.chain import ScheduleError, SimResult, replay
+from planner.simulate.replay import ScheduleError, SimResult, run
 
 
 class GraphState(NamedTuple):
@@ -73,24 +62,56 @@ class GraphSimulator:
             return GraphState(state.resident & ~bit, state.computed, state.memory - node.out_bytes), state.memory, 0.0
         raise ValueError(f"unknown operation {op.kind!r}")
 
-    def run(self, schedule) -> SimResult:
-        """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation.
-
-        The timeline holds one :class:`planner.simulate.chain.Step` per operation
-        (memory in bytes, ``fixed_bytes`` included; start and end in seconds).
-        """
-        state, result = replay(self.initial_state(), self.step, schedule, "operation {index}")
+    def check_complete(self, state: GraphState) -> None:
+        """Raise :class:`ScheduleError` unless every node has been computed."""
         if state.computed != self.full_mask:
             missing = next(i for i in range(self.graph.size) if not state.computed >> i & 1)
             raise ScheduleError(f"schedule ends before node {missing} ({self.graph.nodes[missing].name}) is computed")
-        return result
+
+    def run(self, schedule) -> SimResult:
+        """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation.
+
+        The timeline holds one :class:`planner.simulate.replay.Step` per operation
+        (memory in bytes, ``fixed_bytes`` included; start and end in seconds).
+        """
+        return run(self, schedule, "operation {index}")[1]
 
 
-def simulate_graph(graph: Graph, plan_or_schedule) -> SimResult:
-    """Peak bytes, total seconds and per-operation timeline of a graph plan (checked against ``graph``) or schedule."""
-    if isinstance(plan_or_schedule, Plan):
-        check_graph_plan_matches(plan_or_schedule, graph)
-        schedule = plan_or_schedule.schedule
-    else:
-        schedule = plan_or_schedule
-    return GraphSimulator(graph).run(schedule)
+def schedule_with_frees(graph: Graph, order) -> tuple:
+    """The operations that compute the nodes in ``order`` (node indices, repeats allowed), each value freed eagerly.
+
+    A computed value is freed right after the last computation that reads it
+    before the value is computed again (right after it is made when nothing
+    reads it then); ``keep`` values are never freed. No schedule computing in
+    this order holds less at any point. Frees after one computation come in
+    ascending node order.
+    """
+    order = list(order)
+    next_compute = [None] * len(order)  # position of the next computation of the same node
+    seen = {}
+    for position in reversed(range(len(order))):
+        next_compute[position] = seen.get(order[position])
+        seen[order[position]] = position
+    last_read = {}  # position of a computation -> position of the last read of its value (itself if none)
+    made_at = {}  # node -> position of the computation whose value is resident
+    for position, v in enumerate(order):
+        for dep in graph.nodes[v].deps:
+            if dep in made_at:
+                last_read[made_at[dep]] = position
+        made_at[v] = position
+        last_read[position] = position
+    frees = [[] for _ in order]
+    for position, v in enumerate(order):
+        if graph.nodes[v].keep and next_compute[position] is None:
+            continue
+        frees[last_read[position]].append(v)
+    ops = []
+    for position, v in enumerate(order):
+        ops.append(GraphOp("compute", v))
+        ops.extend(GraphOp("free", u) for u in sorted(frees[position]))
+    return tuple(ops)
+
+
+def store_all_graph_schedule(graph: Graph) -> tuple:
+    """Compute every node once in index order, freeing each non-``keep`` value right after its last consumer."""
+    return schedule_with_frees(graph, range(graph.size))

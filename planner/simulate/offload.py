@@ -1,43 +1,10 @@
-"""The offload simulator: a chain schedule with transfers over the copy channel, on two timelines.
+"""The offload simulator: a chain schedule with transfers, on the compute timeline and two copy engines.
 
-Compute runs one operation at a time, as in :mod:`planner.simulate.chain`, whose
-memory rules it keeps. Beside it run the two copy engines of
-:class:`planner.transfer.Transfer` (device-to-host, host-to-device), each one
-transfer at a time in issue order. An *item* is ``saved i`` (``ā_{i+1}``, what
-``F_all i`` keeps) or ``input i`` (``a_i`` held on its own, i >= 1).
-
-* ``Offload i what``: the item must be on the device and not moving (one
-  being prefetched is waited for first, as a read would). Its copy starts
-  when the d2h engine is free (not before now) and takes ``latency + bytes /
-  d2h_bandwidth``; the device copy stays (operations may still read it). No
-  compute time, no memory change.
-* ``Release i what``: compute waits until that copy has ended (a *stall*), then
-  the device copy is freed.
-* ``Prefetch i what``: the item's device memory is allocated now; the copy
-  starts when the h2d engine is free and the item is on the host.
-* A compute operation that reads an item being prefetched waits for the copy
-  (a stall) before it starts; one that reads an item on the host is an error.
-  An operation may not free an item whose offload copy is still running, and
-  a schedule may not end with an activation that is moving or on the host.
-
-Memory is the device's: bytes resident between operations, and each compute
-operation's peak as in the chain simulator. The step time is compute time plus
-stalls; the copies themselves overlap compute.
-
-**Weights** (the ZeRO-Offload pattern). A stage whose ``weights i`` the
-schedule moves is a *host-weight stage*: its parameters (``param_bytes``) are
-on the host at the start, and every compute operation of the stage reads them.
-``Prefetch i weights`` brings them in as for any item; ``Release i weights``
-drops the device copy at once, with no copy back (the host copy is current;
-an ``Offload`` of weights is refused). After ``B i`` the stage's gradients,
-``grads i``, are copied out (``Offload``) and freed (``Release``) as any item,
-and never come back: the stage's optimizer steps on the host. The schedule
-must end with a host-weight stage's weights and gradients on the host. The
-other stages' parameters stay on the device, outside the budget as before.
-
-When ``δ_i`` appears while ``ā_i`` is being offloaded, the device copy shrinks to
-``own_saved_bytes`` as it would on the device, and the released and prefetched
-bytes are those (the part the stage's backward reads).
+Its rules (items, ``Offload`` / ``Release`` / ``Prefetch``, stalls, host-weight stages) are in docs/model.md,
+"The offload simulator"; it keeps the chain simulator's memory rules for compute. :class:`OffloadSimulator`
+follows the protocol of :func:`planner.simulate.replay.run`. The rules the offload solvers share with it are
+module functions: :func:`reads` (the items an operation reads) and :func:`device_bytes` (an item's bytes on
+the device).
 """
 
 import math
@@ -45,8 +12,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from planner.chain import Chain
-from planner.ops import TRANSFER_OPS, Op
-from planner.simulate.chain import ChainSimulator, ScheduleError, SimResult, State, replay
+from planner.ops import TRANSFER_OPS, Op, activation_read, host_weight_stages
+from planner.simulate.chain import ChainSimulator, ChainState
+from planner.simulate.replay import ScheduleError, SimResult, run
 from planner.transfer import Transfer
 
 COPYING, ON_HOST, LOADING = "copying", "on host", "loading"
@@ -74,7 +42,8 @@ class Copy(NamedTuple):
 class OffloadState(NamedTuple):
     """The chain state (its memory is the device's) with the clocks and the items that are moving or away."""
 
-    base: State
+    base: ChainState
+    position: int  # index of the next operation
     clock: float
     d2h_free: float
     h2d_free: float
@@ -96,9 +65,10 @@ class OffloadResult(SimResult):
 
 
 class OffloadSimulator:
-    """Replays a chain schedule with transfers (see the module docstring)."""
+    """Replays a chain schedule with transfers over ``transfer``; ``host_weights``: the stages whose weights it
+    moves (:func:`planner.ops.host_weight_stages` of the schedules it runs)."""
 
-    def __init__(self, chain: Chain, transfer: Transfer, host_weights=()):
+    def __init__(self, chain: Chain, transfer: Transfer, host_weights=frozenset()):
         self.chain = chain
         self.transfer = transfer
         self.compute = ChainSimulator(chain)
@@ -109,20 +79,25 @@ class OffloadSimulator:
         """Only the input on the device, and the parameters of the host-weight stages on the host."""
         away = tuple(sorted((("weights", i), Moving(ON_HOST, 0.0, self.chain.stages[i].param_bytes))
                             for i in self.host_weights))
-        return OffloadState(self.compute.initial_state(), 0.0, 0.0, 0.0, away, (), 0.0)
+        return OffloadState(self.compute.initial_state(), 0, 0.0, 0.0, 0.0, away, (), 0.0)
 
     def run(self, schedule) -> OffloadResult:
-        """Replay a whole schedule (its host-weight stages are those whose weights it moves); an invalid one
-        raises :class:`ScheduleError` naming the operation."""
+        """Replay a whole schedule; an invalid one raises :class:`ScheduleError` naming the operation."""
         schedule = list(schedule)
-        host_weights = host_weight_stages(schedule)
-        bad = sorted(i for i in host_weights if not 0 <= i < self.length)
+        moved = host_weight_stages(schedule)
+        bad = sorted(i for i in moved if not 0 <= i < self.length)
         if bad:
             raise ScheduleError(f"schedule moves the weights of stage {bad[0]}, which does not exist")
-        if host_weights != self.host_weights:
-            return OffloadSimulator(self.chain, self.transfer, host_weights).run(schedule)
-        self._index = 0
-        state, result = replay(self.initial_state(), self._counted_step, schedule, "schedule[{index}]")
+        if moved != self.host_weights:
+            raise ValueError(f"the schedule moves the weights of stages {sorted(moved)}, not of "
+                             f"{sorted(self.host_weights)}: build the simulator with host_weight_stages(schedule)")
+        state, result = run(self, schedule, "schedule[{index}]")
+        return OffloadResult(peak_bytes=result.peak_bytes, time=result.time, timeline=result.timeline,
+                             stall_time=state.stall, copies=state.copies)
+
+    def check_complete(self, state: OffloadState) -> None:
+        """Raise :class:`ScheduleError` unless every activation is back on the device and still, every
+        host-weight stage's weights and gradients are on the host, and the loss and every backward have run."""
         for (what, stage), moving in state.moving:
             if moving.phase == ON_HOST and what in ("weights", "grads"):
                 continue
@@ -137,24 +112,17 @@ class OffloadSimulator:
             if self.chain.stages[i].param_bytes and ("grads", i) not in away:
                 raise ScheduleError(f"schedule ends with the gradients of host-weight stage {i} on the device "
                                     "(Offload and Release them: its optimizer steps on the host)")
-        if not self.compute.is_complete(state.base):
-            self.compute.run([op for op in schedule if op.kind not in TRANSFER_OPS])  # raises the missing step
-        return OffloadResult(peak_bytes=result.peak_bytes, time=result.time, timeline=result.timeline,
-                             stall_time=state.stall, copies=state.copies)
+        self.compute.check_complete(state.base)
 
-    def _counted_step(self, state, op):
-        try:
-            return self.step(state, op, self._index)
-        finally:
-            self._index += 1
-
-    def step(self, state: OffloadState, op: Op, index: int = 0):
+    def step(self, state: OffloadState, op: Op):
         """Apply ``op``; return ``(new_state, peak_bytes, seconds)`` or raise ``ValueError``."""
-        if op.kind in TRANSFER_OPS:
-            return self._transfer(state, op, index)
+        new, peak, seconds = self._transfer(state, op) if op.kind in TRANSFER_OPS else self._compute(state, op)
+        return new._replace(position=state.position + 1), peak, seconds
+
+    def _compute(self, state: OffloadState, op: Op):
         moving = dict(state.moving)
         stall = 0.0
-        for item in self.reads(state.base, op):
+        for item in reads(self.chain, state.base, op, self.host_weights):
             if item in moving:
                 phase, end, _ = moving[item]
                 if phase == ON_HOST:
@@ -162,7 +130,7 @@ class OffloadSimulator:
                 if phase == LOADING:
                     stall = max(stall, end - state.clock)
                     del moving[item]
-        for item in self._frees(state.base, op):
+        for item in _frees(self.length, op):
             if item in moving:
                 raise ValueError(f"{item[0]} {item[1]} is still being offloaded (Release it before this operation "
                                  "frees it, or do not offload it)")
@@ -173,7 +141,7 @@ class OffloadSimulator:
                              stall=state.stall + stall)
         return new, peak, stall + seconds
 
-    def _transfer(self, state: OffloadState, op: Op, index: int):
+    def _transfer(self, state: OffloadState, op: Op):
         item = (op.what, op.stage)
         moving = dict(state.moving)
         current = moving.get(item)
@@ -195,13 +163,14 @@ class OffloadSimulator:
                 del moving[item]
             elif current is not None:
                 raise ValueError(f"{op.what} {op.stage} is already {current.phase}")
-            nbytes = self.device_bytes(base, item)
+            nbytes = device_bytes(self.chain, base, item)
             clock = state.clock + stall
             start = max(clock, state.d2h_free)
             end = start + self._seconds(nbytes, "d2h")
             moving[item] = Moving(COPYING, end, nbytes)
-            new = state._replace(clock=clock, d2h_free=end, moving=tuple(sorted(moving.items())), stall=state.stall + stall,
-                                 copies=state.copies + (Copy(index, item, "d2h", start, end, nbytes),))
+            new = state._replace(clock=clock, d2h_free=end, moving=tuple(sorted(moving.items())),
+                                 stall=state.stall + stall,
+                                 copies=state.copies + (Copy(state.position, item, "d2h", start, end, nbytes),))
             return new, base.memory, stall
         if op.kind == "Release":
             if current is None or current.phase != COPYING:
@@ -218,7 +187,7 @@ class OffloadSimulator:
         moving[item] = Moving(LOADING, end, current.nbytes)
         memory = base.memory + current.nbytes
         new = state._replace(base=base._replace(memory=memory), h2d_free=end, moving=tuple(sorted(moving.items())),
-                             copies=state.copies + (Copy(index, item, "h2d", start, end, current.nbytes),))
+                             copies=state.copies + (Copy(state.position, item, "h2d", start, end, current.nbytes),))
         return new, memory, 0.0
 
     def _release_weights(self, state: OffloadState, op: Op, current, moving: dict):
@@ -239,48 +208,7 @@ class OffloadSimulator:
             raise ValueError(f"the copy channel has no {direction} bandwidth (give one with --bandwidth)")
         return seconds
 
-    def device_bytes(self, base: State, item) -> int:
-        """Bytes of an item on the device; a ``ValueError`` if it is not there."""
-        what, i = item
-        if what == "grads":
-            if not 0 <= i < self.length or not base.done >> i & 1:
-                raise ValueError(f"the gradients of stage {i} do not exist yet (B {i} makes them)")
-            return self.chain.stages[i].param_bytes
-        if what == "saved":
-            if not 0 <= i < self.length or not base.abar >> (i + 1) & 1:
-                raise ValueError(f"ā_{i + 1} is not in memory (F_all {i} keeps it)")
-            stage = self.chain.stages[i]
-            return stage.own_saved_bytes if base.grad >> (i + 1) & 1 else stage.saved_bytes
-        if not 1 <= i <= self.length or not base.standalone >> i & 1:
-            raise ValueError(f"a_{i} is not held on its own (the input a_0 is the caller's and is never offloaded)")
-        return self.compute.act[i]
-
-    def _provider(self, base: State, i: int):
-        """The item that holds ``a_i``: ``ā_i`` when it is resident, else the standalone ``a_i`` (None for the input)."""
-        if i > 0 and base.abar >> i & 1:
-            return ("saved", i - 1)
-        return ("input", i) if i > 0 else None
-
-    def reads(self, base: State, op: Op) -> list:
-        """The items ``op`` reads (the solvers use this rule too)."""
-        if op.kind == "Loss":
-            items = [self._provider(base, self.length)]
-        elif op.kind == "B":
-            items = [("saved", op.stage), self._provider(base, op.stage)]
-        else:
-            items = [self._provider(base, op.stage)] if op.stage is not None and 0 <= op.stage < self.length else []
-        if op.stage in self.host_weights:
-            items.append(("weights", op.stage))
-        return [item for item in items if item is not None]
-
-    def _frees(self, base: State, op: Op) -> list:
-        if op.kind == "Loss":
-            return [("input", self.length)]
-        if op.kind == "B":
-            return [("saved", op.stage), ("input", op.stage)]
-        return [("input", op.stage)] if op.kind == "F_none" else []
-
-    def _shrink_moving(self, before: State, after: State, op: Op, moving: dict) -> None:
+    def _shrink_moving(self, before: ChainState, after: ChainState, op: Op, moving: dict) -> None:
         """When ``δ_i`` appears while ``ā_i`` is being offloaded, the bytes it will release and bring back (in
         ``moving``) are the shrunk ones."""
         i = self.length if op.kind == "Loss" else op.stage if op.kind == "B" else None
@@ -290,11 +218,48 @@ class OffloadSimulator:
             moving[item] = moving[item]._replace(nbytes=producer.own_saved_bytes)
 
 
-def host_weight_stages(schedule) -> frozenset:
-    """The stages whose parameters live on the host: those whose ``weights`` the schedule moves."""
-    return frozenset(op.stage for op in schedule if op.what == "weights")
+def device_bytes(chain: Chain, state: ChainState, item) -> int:
+    """Bytes of ``item`` (``(what, stage)``) on the device in the chain state ``state``; a ``ValueError`` if it
+    is not there."""
+    what, i = item
+    if what == "grads":
+        if not 0 <= i < chain.length or not state.done >> i & 1:
+            raise ValueError(f"the gradients of stage {i} do not exist yet (B {i} makes them)")
+        return chain.stages[i].param_bytes
+    if what == "saved":
+        if not 0 <= i < chain.length or not state.abar >> (i + 1) & 1:
+            raise ValueError(f"ā_{i + 1} is not in memory (F_all {i} keeps it)")
+        stage = chain.stages[i]
+        return stage.own_saved_bytes if state.grad >> (i + 1) & 1 else stage.saved_bytes
+    if not 1 <= i <= chain.length or not state.standalone >> i & 1:
+        raise ValueError(f"a_{i} is not held on its own (the input a_0 is the caller's and is never offloaded)")
+    return chain.act_bytes(i)
 
 
-def simulate_offload(chain: Chain, schedule, transfer: Transfer) -> OffloadResult:
-    """Peak device bytes, step seconds (stalls included) and the copies of a schedule with transfers."""
-    return OffloadSimulator(chain, transfer).run(schedule)
+def reads(chain: Chain, state: ChainState, op: Op, host_weights=frozenset()) -> list:
+    """The items the compute operation ``op`` reads in the chain state ``state``: ``ā_{i+1}`` for ``B i``, the
+    item holding the activation it reads (:func:`planner.ops.activation_read`), and the weights of a stage in
+    ``host_weights``."""
+    i = activation_read(op, chain.length)
+    items = [("saved", op.stage)] if op.kind == "B" else []
+    if i is not None and (op.kind in ("Loss", "B") or 0 <= i < chain.length):
+        items.append(_provider(state, i))
+    if op.stage in host_weights:
+        items.append(("weights", op.stage))
+    return [item for item in items if item is not None]
+
+
+def _provider(state: ChainState, i: int):
+    """The item that holds ``a_i``: ``ā_i`` when it is resident, else the standalone ``a_i`` (None for the input)."""
+    if i > 0 and state.abar >> i & 1:
+        return ("saved", i - 1)
+    return ("input", i) if i > 0 else None
+
+
+def _frees(length: int, op: Op) -> list:
+    """The items the compute operation ``op`` frees (a chain of ``length`` stages)."""
+    if op.kind == "Loss":
+        return [("input", length)]
+    if op.kind == "B":
+        return [("saved", op.stage), ("input", op.stage)]
+    return [("input", op.stage)] if op.kind == "F_none" else []

@@ -1,88 +1,12 @@
 """The pipeline simulator: per-device peak memory and the iteration time of a pipeline plan.
 
-A pipeline runs a chain on ``P`` devices; device ``s`` (0-based) holds the contiguous stages ``[first_s,
-last_s)`` and every device processes ``m`` micro-batches per iteration, in the order of PyTorch's schedules
-(``torch.distributed.pipelining``, which planner/execute/pipeline.py runs). The chain profile describes **one
-micro-batch**. The model (docs/formats.md, "Pipelines"):
-
-**The device's sub-chain.** Device ``s`` runs a standalone chain (:func:`sub_chain`): its input is the
-activation it receives, ``a_first`` (for device 0 the model's input), its stages are the chain's
-``[first, last)``, and its loss is the chain's on the last device; on the others it is a zero-time,
-zero-temporary "loss" whose gradient is ``δ_last`` received from the next device (the ``Loss`` operation of
-a non-last device's schedule *is* that arrival). Its schedule (store-all or a Rotor schedule) is replayed by
-the chain simulator (planner/simulate/chain.py) twice, without and with the parameter gradients, which gives per
-micro-batch (:class:`MicroBatch`, bytes above what the device holds for the whole step, as PyTorch's engine
-runs it: :func:`micro_batch`):
-
-* ``compute``: the schedule's seconds (forwards, recomputations, backwards, the loss on the last device);
-* ``forward_peak``: the highest point of its forward operations (on the last device, also its loss's
-  forward, which the engine runs right after: ``loss.saved_bytes`` stay);
-* ``held``: what it keeps between the end of its forward pass and the start of its backward pass (store-all:
-  every stage's ``saved_bytes``; a Rotor schedule: its checkpoints and the last ``ā``; the loss's
-  ``saved_bytes`` on the last device);
-* ``backward_peak``: the highest point of its ``Loss`` and backward operations, the parameter gradients
-  existing already (a stage's ``bwd_tmp_bytes`` covers the gradient it adds to them);
-* ``first_backward_peak``: the same in the device's first backward of the step, where the parameter
-  gradients are made (each stage's, of the setup's size, from its ``B`` on).
-
-The engine keeps each micro-batch's output until its whole backward on the device has run: the last stage
-keeps its whole ``ā_last`` until its backward (:func:`sub_chain`), and the output is added at the backwards
-of earlier stages, less that stage's own output where its backward reads it (the replay counts that output
-to the end of the operation, while autograd frees it first thing).
-
-**What a device holds for the whole step** (:class:`DeviceState`). ``resident``: parameters, fp32 master copy
-and optimizer state (``setup.resident_bytes(n)``, ``n`` = parameters of its stages, ``sum(param_bytes) / 4``
-rounded up, as planner.training_setup.parameters_of counts a chain); ``buffers``: the ``m`` micro-batch inputs
-(device 0: the batch, split into views; the others: the engine's receive buffers, one per micro-batch) and,
-on devices before the last, the ``m`` receive buffers of ``δ_last``. So the sub-chain's input and received gradient are
-not counted again per micro-batch; a receive buffer is never freed early, so the first backward's peak keeps
-the received gradient.
-
-**Shared parameters** (the chain's ``shared``, planner/shared.py: tied weights). A chain counts a parameter
-that several stages read once, in its last reader's ``param_bytes``. A device holding a reader but not that
-last one holds a copy of its own (:func:`copies`): its parameters, master copy, optimizer state and gradient
-are counted there too, the gradient made at the device's last reader's first backward, as a stage's own
-(:func:`device_param_bytes`; that stage's profiled ``bwd_tmp_bytes`` already cover the gradient it makes).
-After the backward the copies' gradients are summed across the devices holding them (planner/execute/pipeline.py),
-so every copy takes the update of single-process training. Within one device a shared parameter stays
-counted once.
-
-**The step.** Device ``s`` starts ``k_s`` forwards before its first backward, ``k_s = m`` for GPipe (all
-forwards, then all backwards) and ``k_s = min(m, P - s)`` for 1F1B (PipeDream-Flush, PyTorch's
-``Schedule1F1B``: then one backward, one forward, and the remaining backwards). Walking that order
-(:func:`phase_runs`), the device holds at each phase: its parameter gradients (``G`` once its first
-backward has run; forming inside it), ``held`` for each micro-batch between forward and backward, what the
-engine still references of finished micro-batches (:func:`retained`: tensors of pending sends and loop
-variables), and the running micro-batch at its phase's peak::
-
-    peak_s = resident_s + buffers_s + max over the phases of (those terms)
-
-(:func:`step_peak`, which evaluates only the phases where that maximum can be: a few per run of
-phases, whatever ``m``). Measured on 2 and 3 gloo processes (tests/test_execute_pipeline.py): 0.98-1.002 of the
-prediction per rank (mlp, gpt-tiny, resnet-tiny; 1F1B and GPipe; store-all and recomputing devices), 0.84 on
-a device holding only an embedding. It is high where the profile counts more than the engine holds: up to
-one received gradient where a stage's backward holds its incoming gradient to its peak anyway (its
-``bwd_tmp_bytes`` then count it), and a stage's gradients less its largest from the second micro-batch on
-(added into ``.grad`` as made, while the profile's backward made them all).
-
-**Time.** Per micro-batch, device ``s`` takes ``t_s = compute_s + send_s`` where ``send_s`` charges every
-boundary transfer to its *sender*: ``a_last`` forward to device ``s + 1`` (not on the last device) and
-``δ_first`` back to device ``s - 1`` (not on device 0), each ``bytes / bandwidth + latency`` seconds (no
-bandwidth: transfers are free). Transfers do not overlap the sender's compute. The iteration time of both
-schedules (GPipe and 1F1B have the same bubble) is::
-
-    T = (m - 1) * max_s t_s + sum_s t_s + sum_s sync_s
-
-(``sync_s``: the sums of shared parameters' gradients, once per step, one exchange of each copy's gradient
-charged to the device holding the copy, :func:`sync_seconds`), the time for the bottleneck device to process
-``m`` micro-batches plus the fill and drain of the pipeline through the others; with balanced stages it is the
-familiar ``(m + P - 1) * t`` (Huang et al., GPipe, NeurIPS 2019; Narayanan et al., PipeDream-2BW /
-Megatron-LM, SC 2021: bubble fraction ``(P - 1) / m``). It assumes each device's forward and backward of a
-micro-batch run back to back on the critical path (exact for balanced stages, an approximation for unbalanced
-ones, where the bottleneck device sets the steady state and the others add their fill/drain once).
-
-The solver (solvers/partition.py) predicts with these same functions, so a plan's figures equal
-:func:`simulate_pipeline`'s.
+Device ``s`` holds the stages ``[first_s, last_s)`` of a chain profiled for one micro-batch and runs ``m``
+micro-batches per iteration in the order of PyTorch's schedules (GPipe, 1F1B), as
+planner/execute/pipeline.py does. Each device's schedule is replayed on its :func:`sub_chain` by the chain
+simulator; :func:`device_state`, :func:`micro_batch` and :func:`step_peak` turn the replay into the device's
+peak, and :func:`pipeline_time` into the iteration time. The rules and their measured accuracy are in
+docs/model.md, "The pipeline simulator". The solver (solvers/partition.py) predicts with these same
+functions, so a plan's figures equal :func:`pipeline_result`'s.
 """
 
 import dataclasses
@@ -90,9 +14,11 @@ from dataclasses import dataclass
 
 from planner.chain import Chain, Loss
 from planner.errors import MemschedError
-from planner.plan import PIPELINE_SCHEDULES, Plan
-from planner.simulate.chain import ChainSimulator, backward_peak
+from planner.plan import PIPELINE_SCHEDULES, Pipeline
+from planner.simulate.chain import ChainSimulator
+from planner.simulate.replay import backward_peak
 from planner.training_setup import PROFILE_GRADIENT_BYTES, TrainingSetup
+from planner.units import sum_seconds
 
 
 @dataclass(frozen=True)
@@ -178,7 +104,8 @@ def phase_runs(k: int, micro_batches: int) -> tuple:
 
 
 def step_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, state: DeviceState) -> int:
-    """The device's highest point above its resident state and buffers over one step (module docstring).
+    """The device's highest point above its resident state and buffers over one step (docs/model.md, "The
+    pipeline simulator").
 
     Within a run (:func:`phase_runs`) a phase's height is affine in its index, except where the backwards done
     cross 1 (the gradients exist), ``k - 1`` or ``m - k + 1`` (what :func:`retained` holds), so the highest is
@@ -221,12 +148,7 @@ def device_peak(micro: MicroBatch, schedule: str, k: int, micro_batches: int, st
 def pipeline_time(times, micro_batches: int, syncs=()) -> float:
     """``(m - 1) * max(times) + sum(times)``, the sum taken left to right from device 0, plus the devices'
     gradient sums of shared parameters (``syncs``, seconds per step, :func:`sync_seconds`)."""
-    total = 0.0
-    for seconds in times:
-        total += seconds
-    for seconds in syncs:
-        total += seconds
-    return (micro_batches - 1) * max(times) + total
+    return (micro_batches - 1) * max(times) + sum_seconds([*times, *syncs])
 
 
 def transfer_seconds(nbytes: int, bandwidth, latency: float) -> float:
@@ -289,10 +211,11 @@ def sync_seconds(chain: Chain, first: int, last: int, setup: TrainingSetup, band
 
 
 def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micro_batches: int) -> DeviceState:
-    """The step-long memory of a device on stages ``[first, last)`` (module docstring)."""
+    """The step-long memory of a device on stages ``[first, last)`` (docs/model.md, "The pipeline simulator")."""
     parameters = range_parameters(chain, first, last)
     is_last = last == chain.length
     output = chain.act_bytes(last)
+    # NOTE [the engine holds a device's output]
     # The engine keeps the device's output a_last until the micro-batch's whole backward has run, where the replay
     # frees it with the last stage's backward. At the backward of an earlier stage that reads its own output, the
     # replay counts that output to the end of the operation while autograd frees it first thing: the two offset.
@@ -379,6 +302,7 @@ def micro_batch(chain: Chain, first: int, last: int, local_schedule, state: Devi
     sub = sub or sub_chain(chain, first, last)
     warm = ChainSimulator(sub).run(local_schedule)
     fresh = _with_gradients(warm.timeline, sub, state.stage_gradients)
+    # NOTE [a device's Loss]
     # At Loss: a received gradient is in its buffer; the chain's loss was profiled with the last stage's output
     # freed once read (unless the stage saved it), which the engine keeps until the backward.
     last_stage = chain.stages[last - 1]
@@ -417,13 +341,10 @@ def to_global(schedule, first: int) -> tuple:
     return tuple(op if op.stage is None else op._replace(stage=op.stage + first) for op in schedule)
 
 
-def simulate_pipeline(chain: Chain, plan: Plan, setup: TrainingSetup = None) -> PipelineResult:
-    """Re-predict a plan of kind ``pipeline`` from ``chain`` (``setup``: the plan's own when not given)."""
-    from planner.plan import check_pipeline_plan_matches
-
-    check_pipeline_plan_matches(plan, chain)
-    pipe = plan.pipeline
-    setup = setup or TrainingSetup(**pipe.setup)
+def pipeline_result(chain: Chain, pipe: Pipeline) -> PipelineResult:
+    """Re-predict the devices of a pipeline plan (``plan.pipeline``) from ``chain``, under the plan's training
+    setup; :func:`planner.simulate.simulate` first checks that the plan is for ``chain``."""
+    setup = TrainingSetup(**pipe.setup)
     if pipe.devices[-1].last != chain.length:
         raise MemschedError(f"pipeline plan: its last device ends at stage {pipe.devices[-1].last}, but chain "
                             f"'{chain.name}' has {chain.length} stages")

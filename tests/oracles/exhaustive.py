@@ -52,7 +52,8 @@ def fastest_time(chain, budget: int) -> float:
     """Least total seconds over all schedules whose every operation peaks within ``budget`` (inf if none)."""
     if chain.input_bytes > budget:
         return float("inf")
-    found = _cheapest_completion(chain, 0.0, lambda elapsed, peak, seconds: elapsed + seconds if peak <= budget else None)
+    found = _cheapest_completion(chain, 0.0,
+                                 lambda elapsed, peak, seconds: elapsed + seconds if peak <= budget else None)
     return float("inf") if found is None else found
 
 

@@ -14,8 +14,8 @@ so they are an independent judge of optimality. Three schedule classes:
 import heapq
 import itertools
 
-from planner.simulate.graph import GraphSimulator
 from planner.ops import GraphOp
+from planner.simulate.graph import GraphSimulator
 
 
 def _search(graph, start_cost, extend, frontier=False, max_computations=None, heuristic=True):
@@ -77,7 +77,8 @@ def _search(graph, start_cost, extend, frontier=False, max_computations=None, he
 
 
 def fastest_time(graph, budget: int, frontier: bool = False, max_computations: int = None) -> float:
-    """Least total seconds over the schedules of the class whose every operation peaks within ``budget`` (inf if none)."""
+    """Least total seconds over the schedules of the class whose every operation peaks within ``budget``
+    (inf if none)."""
     if graph.fixed_bytes > budget:
         return float("inf")
     found = _search(graph, 0.0, lambda elapsed, peak, seconds: elapsed + seconds if peak <= budget else None,

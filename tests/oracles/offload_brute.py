@@ -1,6 +1,6 @@
 """Exhaustive search over offload plans of a fixed compute schedule (chains of 3-4 stages).
 
-It shares nothing with solvers/offload.py but the simulators: the productions
+It shares nothing with solvers/offload/ but the simulators: the productions
 of items are read off the chain simulator's state bits, every window is tried
 and the offload simulator says which plans are valid, how long they take and
 what they peak at. The class searched is the solver's: each production of an
@@ -13,9 +13,10 @@ releases, then the prefetches (in every order).
 
 import itertools
 
-from planner.simulate.offload import simulate_offload
 from planner.ops import Op
-from planner.simulate.chain import ChainSimulator, ScheduleError
+from planner.simulate import simulate
+from planner.simulate.chain import ChainSimulator
+from planner.simulate.replay import ScheduleError
 
 
 def productions(chain, ops) -> list:
@@ -53,7 +54,7 @@ def build(ops, windows) -> list:
 
 def _valid(chain, ops, transfer, window) -> bool:
     try:
-        simulate_offload(chain, build(ops, [window]), transfer)
+        simulate(chain, build(ops, [window]), transfer)
         return True
     except ScheduleError:
         return False
@@ -78,7 +79,7 @@ def all_results(chain, ops, transfer) -> list:
         for windows in _orders(chosen):
             schedule = build(ops, windows)
             try:
-                result = simulate_offload(chain, schedule, transfer) if windows else ChainSimulator(chain).run(ops)
+                result = simulate(chain, schedule, transfer) if windows else ChainSimulator(chain).run(ops)
             except ScheduleError:
                 continue
             results.append((result.peak_bytes, result.time, schedule))

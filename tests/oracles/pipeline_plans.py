@@ -3,8 +3,9 @@ times), store-all on every device, with the pipeline simulator's figures."""
 
 import dataclasses
 
-from planner.simulate.pipeline import simulate_pipeline, to_global
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+from planner.simulate import simulate
+from planner.simulate.pipeline import to_global
 from planner.training_setup import TrainingSetup
 from solvers.extremes import store_all_schedule
 
@@ -18,8 +19,9 @@ def store_all_split(chain, parts, micro_batches, schedule, setup=None) -> Plan:
     plan = Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition", budget_bytes=10 ** 15,
                 predicted=Predicted(peak_bytes=0, time=0.0, baseline_time=0.0), schedule=(), kind="pipeline",
                 pipeline=pipeline)
-    result = simulate_pipeline(chain, plan)
-    devices = tuple(dataclasses.replace(d, peak_bytes=r.peak_bytes, time=r.time) for d, r in zip(devices, result.devices))
+    result = simulate(chain, plan)
+    devices = tuple(dataclasses.replace(d, peak_bytes=r.peak_bytes, time=r.time)
+                    for d, r in zip(devices, result.devices))
     return dataclasses.replace(plan, predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time,
                                                          baseline_time=result.time),
                                pipeline=dataclasses.replace(pipeline, devices=devices))

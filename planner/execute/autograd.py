@@ -1,0 +1,187 @@
+"""What every executor does as autograd and a plain step would: gradients, random numbers, autocast, statistics.
+
+:func:`accumulate_grads` adds gradients into ``.grad`` as AccumulateGrad does; :func:`differentiate` runs
+``autograd.grad`` from gradient edges, autograd owning (and freeing) the incoming gradients; :func:`rng_state` /
+:func:`set_rng_state` capture and replay the CPU and CUDA generators; :func:`autocast_state` /
+:func:`autocast_as` capture and restore the autocast state; :func:`running_statistics_kept` keeps a recomputed
+forward from updating normalisation statistics again; :func:`fresh_leaf`, :func:`detached` and
+:func:`any_requires_grad` act on trees of tensors (docs/execution.md, "Chain executor").
+"""
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+def accumulate_grads(parameters, grads: list) -> None:
+    """Add gradients into ``.grad`` as autograd's AccumulateGrad does; ``grads`` is emptied as it goes.
+
+    Into an existing ``.grad`` a gradient is added in place. Into an empty one it is taken as it is when it
+    obeys the parameter's layout (:func:`_obeys_layout`) and no other parameter took the same gradient, else
+    copied to that layout (:func:`_copy_to_layout`). Each entry of ``grads`` is set to None once used, so that
+    (the caller holding no other reference) a copied gradient is freed before the next is copied, as
+    AccumulateGrad frees its input when it returns.
+    """
+    taken = set()
+    for k, parameter in enumerate(parameters):
+        grad, grads[k] = grads[k], None
+        if grad is None:
+            continue
+        if parameter.grad is not None:
+            parameter.grad.add_(grad)
+        elif _obeys_layout(grad, parameter) and (where := _address(grad)) not in taken:
+            taken.add(where)
+            parameter.grad = grad.detach()
+        else:
+            parameter.grad = _copy_to_layout(grad.detach(), parameter)
+        del grad
+
+
+def _address(tensor) -> tuple:
+    """Where ``tensor``'s data starts: its storage and offset (as ``data_ptr``, which a fake tensor in estimate
+    mode must not be asked for)."""
+    return tensor.untyped_storage()._cdata, tensor.storage_offset()
+
+
+def _obeys_layout(grad, parameter) -> bool:
+    """Whether ``grad`` may become ``parameter.grad`` as it is: autograd's gradient layout contract.
+
+    For a non-overlapping and dense parameter, the strides must be the parameter's on every dimension of size
+    other than 1 (so a 1x1 convolution's weight gradient in channels-last order, as convolution backward
+    returns it with several threads, is taken), and no size-1 dimension may have stride 0 (a broadcast view);
+    any other parameter needs a contiguous gradient (torch/csrc/autograd/utils/grad_layout_contract.h).
+    """
+    if grad.stride() == parameter.stride() and parameter.is_contiguous() and 0 not in parameter.stride():
+        return True  # the common case, decided without the loops below
+    if not _non_overlapping_and_dense(parameter):
+        return grad.is_contiguous()
+    return all(stride != 0 if size == 1 else stride == wanted
+               for size, stride, wanted in zip(grad.shape, grad.stride(), parameter.stride()))
+
+
+def _copy_to_layout(grad, parameter) -> torch.Tensor:
+    """``grad`` copied in ``parameter``'s strides when the parameter is non-overlapping and dense, else
+    contiguously (autograd's ``clone_obey_contract``)."""
+    if _non_overlapping_and_dense(parameter):
+        return grad.new_empty_strided(parameter.size(), parameter.stride()).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _non_overlapping_and_dense(tensor) -> bool:
+    """Whether some order of ``tensor``'s dimensions is contiguous, dimensions of size below 2 ignored (c10's
+    ``compute_non_overlapping_and_dense``)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size >= 2):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def differentiate(pairs, inputs) -> list:
+    """Gradients of ``inputs`` from ``[(gradient edge, incoming gradient), ...]``, autograd owning the gradients.
+
+    Autograd is given zero-stride placeholders of the right shapes, and a hook on each edge's node swaps in
+    the real gradient just before the node runs: from then on autograd alone holds it and frees it once
+    used, as in a plain backward (a gradient passed in directly would live until the call returns). For the
+    same reason ``pairs`` is emptied: the caller's list must not keep the gradients alive.
+    """
+    holder = {k: grad for k, (_, grad) in enumerate(pairs)}
+    edges = [edge for edge, _ in pairs]
+    placeholders = [torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape) for _, grad in pairs]
+    pairs.clear()
+    by_node = {}
+    for k, edge in enumerate(edges):  # no loop variable may hold a gradient: it would outlive its use
+        by_node.setdefault(edge.node, []).append((edge.output_nr, k))
+
+    def swap_in(entries):
+        def hook(grad_outputs):
+            grads = list(grad_outputs)
+            for output_nr, k in entries:
+                grad, arrived = holder.pop(k), grads[output_nr]
+                untouched = arrived is None or arrived.data_ptr() == placeholders[k].data_ptr()
+                # Another output of the stage derived from this one may have added to the placeholder.
+                grads[output_nr] = grad if untouched else arrived + grad
+            return tuple(grads)
+
+        return hook
+
+    handles = [node.register_prehook(swap_in(entries)) for node, entries in by_node.items()]
+    try:
+        return list(torch.autograd.grad(edges, inputs, placeholders, allow_unused=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def rng_state() -> tuple:
+    """``(CPU generator state, CUDA generator state or None)``, as ``torch.utils.checkpoint`` records them."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state) -> None:
+    """Put back generator states from :func:`rng_state`."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def rng_devices() -> list:
+    """The CUDA devices ``torch.random.fork_rng`` must fork for a replay: the current one once CUDA is in use."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+def autocast_state() -> dict:
+    """``{device type: (enabled, dtype)}`` of autocast now, for :func:`autocast_as`."""
+    return {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda") if device == "cpu" or torch.cuda.is_available()}
+
+
+@contextlib.contextmanager
+def autocast_as(state):
+    """Run under the autocast state :func:`autocast_state` recorded."""
+    with contextlib.ExitStack() as stack:
+        for device, (enabled, dtype) in state.items():
+            stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled))
+        yield
+
+
+@contextlib.contextmanager
+def running_statistics_kept(module):
+    """Run with throw-away copies of the running statistics of normalisation layers in training mode.
+
+    A recomputed forward must not update them a second time; copying the originals back afterwards would
+    bump their version counters, which autograd checks, so the originals are swapped out instead.
+    """
+    swapped = []
+    for layer in module.modules() if isinstance(module, torch.nn.Module) else ():
+        if isinstance(layer, torch.nn.modules.batchnorm._NormBase) and layer.training and layer.track_running_stats:
+            originals = {name: layer._buffers[name] for name in ("running_mean", "running_var", "num_batches_tracked")
+                         if layer._buffers.get(name) is not None}
+            layer._buffers.update({name: buffer.clone() for name, buffer in originals.items()})
+            swapped.append((layer, originals))
+    try:
+        yield
+    finally:
+        for layer, originals in swapped:
+            layer._buffers.update(originals)
+
+
+def detached(tree):
+    """``tree`` with every tensor detached (same storage)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def fresh_leaf(tree, requires_grad: bool):
+    """``tree`` with every tensor a new leaf on the same storage, requiring gradients when ``requires_grad`` and
+    floating point."""
+    return tree_map(lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point())
+                    if isinstance(t, torch.Tensor) else t, tree)
+
+
+def any_requires_grad(tree) -> bool:
+    """Whether any tensor of ``tree`` requires gradients."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(tree)[0])

@@ -1,0 +1,27 @@
+"""A model's size without allocating it: its trainable parameters and chain, built on fake tensors."""
+
+from typing import NamedTuple, Optional
+
+from planner.chain import Chain
+from planner.execute.stages import named_stages
+from profiles.chain_profiler import profile_chain
+from profiles.spec import load_model
+from profiles.training import trainable_parameters
+
+
+class Estimate(NamedTuple):
+    """A model's name, its trainable parameters (each counted once) and its estimated chain (or None)."""
+
+    name: str
+    parameters: int
+    chain: Optional[Chain]
+
+
+def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True) -> Estimate:
+    """The :class:`Estimate` of a model SPEC (as for :func:`profiles.spec.load_model`), built on fake tensors:
+    nothing is allocated; the chain's sizes are exact, its times estimated (``with_chain=False``: no chain)."""
+    model, _ = load_model(spec, batch=batch, estimate=True)
+    parameters = sum(p.numel() for p in trainable_parameters(named_stages(model.stages)))
+    chain = None if not with_chain else profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn,
+                                                      name=model.name, estimate=True, warmup=0, repeats=1)
+    return Estimate(name=model.name, parameters=parameters, chain=chain)

@@ -1,0 +1,100 @@
+"""Budgets of one chain: several solvers' overheads over evenly spaced budgets (``memsched pareto``), and what a
+device's memory leaves for the step (``memsched memory``, ``--budget auto``).
+"""
+
+from typing import NamedTuple, Optional
+
+from planner import render
+from planner.errors import MemschedError
+from planner.simulate import simulate
+from planner.training_setup import activation_budget, describe_auto_budget, parameters_of
+from planner.units import describe_bytes, parse_budget
+from solvers import solve, store_all_peak
+from solvers.minimum import minimum_budget
+
+CURVES = ("rotor", "sqrt", "store_all")
+OFFLOAD_CURVES = ("pofo", "offload_greedy")  # pofo's table alone (not re-timed) and the greedy on store-all: fast
+
+
+class Sweep(NamedTuple):
+    """The solvers swept, and per budget ``(budget_bytes, {solver: overhead fraction or None})``, from the
+    minimum feasible budget to the store-all peak (None: that solver has no schedule within the budget)."""
+
+    solvers: tuple
+    rows: list
+
+
+def sweep(chain, points: int, slots: int = None, transfer=None, where: str = "chain") -> Sweep:
+    """The overheads of :data:`CURVES` (and :data:`OFFLOAD_CURVES` over a usable ``transfer``) at ``points`` (at
+    least 2) evenly spaced budgets; a one-line :class:`MemschedError` naming ``where`` for a chain that
+    allocates nothing."""
+    names = CURVES + (OFFLOAD_CURVES if transfer is not None and transfer.usable else ())
+    low, high = minimum_budget(chain), store_all_peak(chain)
+    if high == 0:
+        raise MemschedError(f"{where}: chain '{chain.name}' allocates nothing (every size is 0, so is its "
+                            "store-all peak): there is no memory to trade for time; profile the model again")
+    rows = []
+    for k in range(points):
+        budget = low + (high - low) * k // (points - 1)
+        rows.append((budget, {name: overhead(chain, budget, name, slots, transfer) for name in names}))
+    return Sweep(solvers=names, rows=rows)
+
+
+def overhead(chain, budget: int, solver: str, slots: int = None, transfer=None) -> Optional[float]:
+    """The overhead fraction of ``solver``'s plan within ``budget`` bytes, or None when it has none (pofo: its
+    table's figure, not re-timed)."""
+    params = {"slots": slots} if solver in ("rotor", "pofo") else {}
+    if solver in OFFLOAD_CURVES:
+        params["transfer"] = transfer
+    if solver == "pofo":
+        params["time_limit"] = 0
+    try:
+        plan = solve(chain, budget, solver, **params)
+    except MemschedError:
+        return None
+    return plan.predicted.overhead
+
+
+def device_budget_report(chain, setup, device_memory: int, parameters: int) -> list:
+    """The lines of the activation budget that ``device_memory`` bytes leave for ``chain``'s step under ``setup``
+    (:class:`planner.training_setup.TrainingSetup`), against its store-all peak and minimum feasible budget; a note
+    first when the chain counts other than ``parameters`` trainable parameters (not an fp32 profile)."""
+    lines = []
+    if parameters_of(chain) != parameters:
+        lines.append(f"note       the estimated chain's param_bytes / 4 count {parameters_of(chain)} parameters "
+                     "(not an fp32 model?): the budget below is computed from those")
+    budget = activation_budget(chain, setup, device_memory)
+    return lines + render.device_budget_lines(device_memory, budget, store_all_peak(chain), minimum_budget(chain))
+
+
+def solve_within(chain, budget: int, solver: str, how: str = None, **options):
+    """:func:`solvers.solve`; for a budget that a device's memory left (``how``: how, from
+    :func:`planner.training_setup.describe_auto_budget`), a budget below the minimum feasible one is refused in
+    one line that says so."""
+    try:
+        return solve(chain, budget, solver, **options)
+    except MemschedError:
+        if how and budget < minimum_budget(chain):
+            raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
+                                f"{describe_bytes(minimum_budget(chain))} for chain {chain.name!r} ({how}): "
+                                "use a device with more memory, more ranks or a higher ZeRO stage") from None
+        raise
+
+
+def chain_budget(chain, budget: str, device_memory: int = None, setup=None) -> tuple:
+    """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
+    peak, and None; for ``"auto"``, the activation budget that ``device_memory`` bytes leave under ``setup`` (a
+    :class:`planner.training_setup.TrainingSetup`) and how, in words."""
+    if budget != "auto":
+        return parse_budget(budget, store_all_peak(chain)), None
+    if device_memory is None:
+        raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
+                            "(e.g. 80GiB)")
+    return activation_budget(chain, setup, device_memory), describe_auto_budget(chain, setup, device_memory)
+
+
+def solved_lines(plan, solver: str, chain, how: str = None) -> list:
+    """The summary of a fresh plan of ``chain`` (``solver``: the one asked for), re-simulated when it moves data,
+    after how ``--budget auto`` came about (``how``, from :func:`chain_budget`, if it did)."""
+    result = simulate(chain, plan) if plan.moves_data else None
+    return ([f"budget auto: {how}"] if how else []) + render.solve_summary(plan, solver, result)
