@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             for given in (getattr(args, name, None) for name in ("output", "plot")):
                 if given:
                     output_path(given)
-            _COMMANDS[args.name](args)
+            COMMANDS[args.name](args)
         except MemschedError as exc:
             print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
             return 2
@@ -594,5 +594,5 @@ def _partition(args) -> None:
                  plan, args.output)
 
 
-_COMMANDS = {"profile": _profile, "train": _train, "demo": _demo, "solve": _solve, "show": _show, "pareto": _pareto,
+COMMANDS = {"profile": _profile, "train": _train, "demo": _demo, "solve": _solve, "show": _show, "pareto": _pareto,
              "memory": _memory, "partition": _partition}  # what main runs for each command's name

@@ -36,7 +36,7 @@ from solvers.offload import offload as _offload
 from solvers.offload import offload_all as _offload_all
 from solvers.offload import offload_greedy as _offload_greedy
 from solvers.pofo import pofo as _pofo
-from solvers.result import NoSchedule, solver_params
+from solvers.result import NoSchedule, Solution, solver_params
 from solvers.revolve import revolve
 from solvers.rotor import check_length, rotor
 from solvers.sqrt import sqrt
@@ -102,20 +102,7 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **param
         hint = "--solver offload" if offloading else f"--solver rotor (feasible down to {format_bytes(minimum)})"
         raise MemschedError(f"{name}: its schedule peaks at {format_bytes(result.peak_bytes)}, above the budget "
                             f"{format_bytes(budget)}; raise the budget or use {hint}")
-    return Plan(
-        problem_name=chain.name,
-        fingerprint=chain.fingerprint(),
-        solver=name,
-        params=solution.params,
-        solve_seconds=elapsed,
-        optimal=solution.optimal,
-        gap=solution.gap,
-        budget_bytes=budget,
-        predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=chain.compute_time),
-        schedule=solution.schedule,
-        transfer=transfer,
-        measured_on=chain.measured_on,
-    )
+    return _plan(chain, name, solution, elapsed, budget, result, transfer=transfer, measured_on=chain.measured_on)
 
 
 def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, params: dict) -> Plan:
@@ -312,23 +299,20 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
         name = "moccasin"
         solution = _moccasin_fallback(graph, budget, time_limit, minimum_time_limit, deadline)
     elapsed = time.perf_counter() - started
-    result = GraphSimulator(graph).run(solution.schedule)
+    result = simulate(graph, solution.schedule)
     if result.peak_bytes > budget:
         if name == "store_all":
             raise MemschedError(f"store_all: its schedule peaks at {format_bytes(result.peak_bytes)}, above the budget "
                                 f"{format_bytes(budget)}; raise the budget or use --solver checkmate")
         raise MemschedError(f"{name}: its schedule peaks at {result.peak_bytes} bytes, above the budget {budget} "
                             "bytes (a numerical error of the solver); raise the budget slightly")
-    return Plan(
-        problem_name=graph.name,
-        fingerprint=graph.fingerprint(),
-        solver=name,
-        params=solution.params,
-        solve_seconds=elapsed,
-        optimal=solution.optimal,
-        gap=solution.gap,
-        budget_bytes=budget,
-        predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time, baseline_time=graph.compute_time),
-        schedule=solution.schedule,
-        kind="graph",
-    )
+    return _plan(graph, name, solution, elapsed, budget, result, kind="graph")
+
+
+def _plan(problem, name: str, solution: Solution, elapsed: float, budget: int, result, **fields) -> Plan:
+    """The plan of ``solution`` to ``problem`` (a chain or a graph), its figures the simulator's ``result``."""
+    return Plan(problem_name=problem.name, fingerprint=problem.fingerprint(), solver=name, params=solution.params,
+                solve_seconds=elapsed, optimal=solution.optimal, gap=solution.gap, budget_bytes=budget,
+                predicted=Predicted(peak_bytes=result.peak_bytes, time=result.time,
+                                    baseline_time=problem.compute_time),
+                schedule=solution.schedule, **fields)

@@ -51,9 +51,9 @@ def named(model, what):
     return {f"{stage}.{key}": tensor for stage, module in model.stages for key, tensor in getattr(module, what)()}
 
 
-def eager_step(model):
-    """The unmodified model's step: loss, parameter gradients, buffers afterwards."""
-    torch.manual_seed(SEED)
+def eager_step(model, seed=SEED):
+    """The unmodified model's step, seeded: loss, parameter gradients, buffers afterwards."""
+    torch.manual_seed(seed)
     activation = model.example_inputs[0]
     for _, module in model.stages:
         activation = module(activation)

@@ -35,7 +35,7 @@ from profiles.graph_profiler import profile_graph
 from profiles.reference_step import measured_peak
 from solvers import solve_graph, store_all_graph_peak
 from solvers.save_only import save_only_plan
-from test_execute_graph import build, named
+from test_execute_graph import build, eager_step, named
 
 SEED = 11
 NODES = 40
@@ -45,18 +45,6 @@ MODELS = {
     "resnet-tiny": ("resnet-tiny:blocks=2,channels=4,size=16,batch=8", 0.75),
 }
 MAX_RATIO = 1.15  # peak under the policy over the plan's prediction: measured 1.00-1.13 (see the module docstring)
-
-
-
-def run_step(model):
-    """Seeded forward, loss and backward of the plain eager model; returns the loss."""
-    torch.manual_seed(SEED)
-    activation = model.example_inputs[0]
-    for _, module in model.stages:
-        activation = module(activation)
-    loss = model.loss_fn(activation)
-    loss.backward()
-    return loss.detach()
 
 
 def greedy_save_plan(graph):
@@ -101,12 +89,10 @@ def case(request):
         untouched &= all(torch.equal(b, buffers[k]) for k, b in named(model, "named_buffers").items())
         untouched &= all(p.grad is None for p in named(model, "named_parameters").values())
     reference = build(spec)
-    loss = run_step(reference)
+    loss, grads, buffers = eager_step(reference, SEED)
     inputs = sum(t.untyped_storage().nbytes() for t in reference.example_inputs)
     eager_peak = measured_peak(build(spec)) - inputs + graph.fixed_bytes
-    return Case(request.param, spec, graph, plans, policies, untouched, loss,
-                {k: p.grad for k, p in named(reference, "named_parameters").items()},
-                named(reference, "named_buffers"), eager_peak)
+    return Case(request.param, spec, graph, plans, policies, untouched, loss, grads, buffers, eager_peak)
 
 
 @pytest.mark.parametrize("source", ["checkmate", "greedy"])

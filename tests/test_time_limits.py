@@ -256,7 +256,7 @@ def test_interrupt_in_process_returns_130(monkeypatch, capsys):
     def interrupt(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_solve", interrupt)  # the parser binds the command when main builds it
+    monkeypatch.setitem(cli.COMMANDS, "solve", interrupt)  # main runs the command its table names
     assert cli.main(["solve", "x.json", "--budget", "1GB"]) == 130  # main([...]) returns; main() exits at once
     captured = capsys.readouterr()
     assert captured.err == "memsched: interrupted\n" and captured.out == ""
