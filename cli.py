@@ -23,8 +23,8 @@ from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, parame
 from planner.transfer import Transfer
 from planner.units import parse_bandwidth, parse_budget
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
+from solvers.budgets import chain_budget, device_budget_report, solve_within, solved_lines, sweep
 from solvers.partition import partition
-from solvers.sweep import chain_budget, device_budget_report, solve_within, solved_lines, sweep
 
 MAX_POINTS = 1000  # pareto budgets: each is three solves
 MAX_RUNS = 100_000  # profiling runs per stage, training steps
@@ -142,7 +142,7 @@ def _setup(args):
 
 
 def _chain_budget(args, chain):
-    """``(budget, how)`` by :func:`solvers.sweep.chain_budget`; the setup flags are refused but with --budget auto."""
+    """``(budget, how)`` by :func:`solvers.budgets.chain_budget`; the setup flags are refused but with --budget auto."""
     given = _given(args, *_SETUP_FLAGS)
     if args.budget != "auto" and given:
         raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "

@@ -320,7 +320,7 @@ def pareto_table(rows, solver_names, store_all_peak: int) -> list:
 
 
 def pareto_report(chain, sweep, channel=None) -> list:
-    """``memsched pareto``'s text for a :class:`solvers.sweep.Sweep` of ``chain`` (over ``channel``, if any)."""
+    """``memsched pareto``'s text for a :class:`solvers.budgets.Sweep` of ``chain`` (over ``channel``, if any)."""
     low, high = sweep.rows[0][0], sweep.rows[-1][0]  # the minimum feasible budget, the store-all peak
     return [
         f"chain {chain.name}: step-time overhead over no recomputation ({format_seconds(chain.compute_time)})",

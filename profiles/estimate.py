@@ -3,10 +3,9 @@
 from typing import NamedTuple, Optional
 
 from planner.chain import Chain
-from planner.execute.stages import named_stages
+from planner.execute.stages import named_stages, trainable_parameters
 from profiles.chain_profiler import profile_chain
 from profiles.spec import load_model
-from profiles.training import trainable_parameters
 
 
 class Estimate(NamedTuple):

@@ -23,7 +23,7 @@ from planner.execute.chain import apply_plan
 from planner.execute.graph import GraphExecutor
 from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
 from planner.execute.records import input_specs, stage_specs
-from planner.execute.stages import default_loss, named_stages, run_stages
+from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from profiles.memory import memory_meter, storage_bytes
 from profiles.spec import built_model
 
@@ -113,12 +113,6 @@ def on_device(stages, inputs, device) -> tuple:
     copied there (other inputs as they are)."""
     moved = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     return [(name, module.to(device)) for name, module in named_stages(stages)], moved
-
-
-def trainable_parameters(stages) -> list:
-    """The parameters of ``(name, module)`` pairs that require gradients, each once (shared ones too)."""
-    return list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
-                 for p in module.parameters() if p.requires_grad}.values())
 
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,

@@ -17,7 +17,7 @@ from planner.ops import Op
 from planner.render import compact_schedule
 from planner.units import parse_budget
 from profiles.synthetic import random_chain
-from solvers.sweep import CURVES
+from solvers.budgets import CURVES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "example-L24.chain.json"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from planner.errors import MemschedError
 from planner.execute.chain import apply_schedule
 from planner.execute.records import find_shared
-from planner.execute.stages import preserved_state, run_stages
+from planner.execute.stages import preserved_state, run_stages, trainable_parameters
 from planner.ops import FORWARD_OPS
 from planner.plan import Plan
 from planner.simulate.pipeline import to_local
@@ -438,9 +438,8 @@ def _resident(plan, rank, built) -> int:
     """Device ``rank``'s resident state as planner/simulate/pipeline.py counts it: parameters, master copy and
     optimizer state of its stages (from the parameters' count, fp32 as in the chain)."""
     device = plan.pipeline.devices[rank]
-    params = {id(p): p for _, module in built.stages[device.first:device.last] for p in module.parameters()
-              if p.requires_grad}
-    return TrainingSetup(**plan.pipeline.setup).resident_bytes(sum(p.numel() for p in params.values()))
+    parameters = trainable_parameters(built.stages[device.first:device.last])
+    return TrainingSetup(**plan.pipeline.setup).resident_bytes(sum(p.numel() for p in parameters))
 
 
 def _sync_groups(synced, rank: int) -> list:

@@ -88,6 +88,12 @@ def run_stages(stages, inputs):
     return activation
 
 
+def trainable_parameters(stages) -> list:
+    """The parameters of ``(name, module)`` pairs that require gradients, each once (shared ones too)."""
+    return list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
+                 for p in module.parameters() if p.requires_grad}.values())
+
+
 @contextlib.contextmanager
 def preserved_state(modules, device):
     """Restore buffers (BatchNorm statistics...), parameter gradients and random number generators afterwards."""

@@ -74,9 +74,10 @@ def solve_within(chain, budget: int, solver: str, how: str = None, **options):
     try:
         return solve(chain, budget, solver, **options)
     except MemschedError:
-        if how and budget < minimum_budget(chain):
+        least = minimum_budget(chain) if how else None
+        if least is not None and budget < least:
             raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
-                                f"{describe_bytes(minimum_budget(chain))} for chain {chain.name!r} ({how}): "
+                                f"{describe_bytes(least)} for chain {chain.name!r} ({how}): "
                                 "use a device with more memory, more ranks or a higher ZeRO stage") from None
         raise
 
