@@ -348,7 +348,7 @@ def _profile(args) -> None:
         bar.end()
         raise
     save_chain(chain, args.output)
-    print("\n".join(render.chain_table(chain) + [f"chain written to {args.output}"]))
+    print("\n".join([*model.report] + render.chain_table(chain) + [f"chain written to {args.output}"]))
 
 
 def _train(args) -> None:
@@ -422,7 +422,8 @@ def _profiled(model, device, nodes: int = None, **options):
     if nodes is None:
         from profiles.chain_profiler import profile_chain
 
-        print(f"profiling {model.name} on {device} ({len(model.stages)} stages)...", file=sys.stderr, flush=True)
+        print("\n".join([*model.report, f"profiling {model.name} on {device} ({len(model.stages)} stages)..."]),
+              file=sys.stderr, flush=True)
         return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device, name=model.name)
     from profiles.graph_profiler import profile_graph
 

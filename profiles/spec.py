@@ -2,7 +2,10 @@
 
 * ``gpt-tiny`` or ``gpt-tiny:layers=12,d=512``: a model of :mod:`profiles.zoo`;
 * ``path/to/file.py:factory`` (``:build`` by default): ``factory()`` returns
-  ``(stages, example_inputs)`` or ``(stages, example_inputs, loss_fn)``.
+  ``(stages, example_inputs)`` or ``(stages, example_inputs, loss_fn)``, where ``stages`` is the chain
+  (an ``nn.Sequential``, an ``nn.ModuleList``, a list or a dict of modules); or ``(model, inputs)`` or
+  ``(model, inputs, loss_fn)`` with any other ``nn.Module``, whose stages :mod:`profiles.discover` finds
+  (``inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments).
 
 ``--batch N`` sets the built-in models' ``batch`` option, or is passed to the
 factory as ``batch=N``. Every failure is a one-line :class:`MemschedError`.
@@ -14,10 +17,13 @@ import itertools
 import sys
 from pathlib import Path
 
+import torch
+
 from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, default_loss, named_stages
 from profiles import zoo
 from profiles.chain_profiler import build_fake
+from profiles.discover import discover
 
 _module_counter = itertools.count()
 
@@ -81,17 +87,28 @@ def _as_model(built, name, spec):
     if isinstance(built, StagedModel):
         return built
     if not isinstance(built, tuple) or len(built) not in (2, 3):
-        raise MemschedError(f"{spec}: the factory must return (stages, example_inputs) "
-                            f"or (stages, example_inputs, loss_fn), "
+        raise MemschedError(f"{spec}: the factory must return (stages, example_inputs), (model, inputs) "
+                            f"or either with a loss_fn, "
                             f"got {type(built).__name__}"
                             + (f" of length {len(built)}" if isinstance(built, tuple) else ""))
-    stages, example_inputs = built[0], built[1]
-    loss_fn = built[2] if len(built) == 3 else default_loss
-    if not callable(loss_fn):
+    loss_fn = built[2] if len(built) == 3 else None
+    if loss_fn is not None and not callable(loss_fn):
         raise MemschedError(f"{spec}: the factory's loss_fn must be callable, got {type(loss_fn).__name__}")
+    if _is_plain_module(built[0]):
+        return discover(built[0], built[1], loss_fn, name=name).staged
+    stages, example_inputs = built[0], built[1]
+    if isinstance(example_inputs, dict):
+        raise MemschedError(f"{spec}: keyword inputs (a dict) are for a whole model whose stages memsched finds; "
+                            f"stages given as a list take a tensor or a tuple")
     return StagedModel(name=name, stages=named_stages(stages),
                        example_inputs=example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
-                       loss_fn=loss_fn)
+                       loss_fn=loss_fn or default_loss)
+
+
+def _is_plain_module(model) -> bool:
+    """A whole model (stages to discover), not a container of stages."""
+    return isinstance(model, torch.nn.Module) and not isinstance(model, (torch.nn.Sequential, torch.nn.ModuleList,
+                                                                         torch.nn.ModuleDict))
 
 
 def _one_line(exc) -> str:

@@ -151,23 +151,33 @@ def autocast_as(state):
 
 @contextlib.contextmanager
 def running_statistics_kept(module):
-    """Run with throw-away copies of the running statistics of normalisation layers in training mode.
+    """Run with throw-away copies of the running statistics of normalisation layers in training mode, and of
+    the buffers a module lists as ``memsched_written_buffers`` (``(owner module, buffer name)`` pairs its forward
+    writes in place: the stages :mod:`profiles.discover` makes, whose BatchNorm is an op, not a layer).
 
     A recomputed forward must not update them a second time; copying the originals back afterwards would
     bump their version counters, which autograd checks, so the originals are swapped out instead.
     """
     swapped = []
-    for layer in module.modules() if isinstance(module, torch.nn.Module) else ():
-        if isinstance(layer, torch.nn.modules.batchnorm._NormBase) and layer.training and layer.track_running_stats:
-            originals = {name: layer._buffers[name] for name in ("running_mean", "running_var", "num_batches_tracked")
-                         if layer._buffers.get(name) is not None}
-            layer._buffers.update({name: buffer.clone() for name, buffer in originals.items()})
-            swapped.append((layer, originals))
+    for owner, names in _written_buffers(module):
+        originals = {name: owner._buffers[name] for name in names if owner._buffers.get(name) is not None}
+        owner._buffers.update({name: buffer.clone() for name, buffer in originals.items()})
+        swapped.append((owner, originals))
     try:
         yield
     finally:
-        for layer, originals in swapped:
-            layer._buffers.update(originals)
+        for owner, originals in swapped:
+            owner._buffers.update(originals)
+
+
+def _written_buffers(module) -> list:
+    """``[(owner, buffer names)]`` that a forward of ``module`` updates (see :func:`running_statistics_kept`)."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    found = [(layer, ("running_mean", "running_var", "num_batches_tracked")) for layer in module.modules()
+             if isinstance(layer, torch.nn.modules.batchnorm._NormBase) and layer.training
+             and layer.track_running_stats]
+    return found + [(owner, (name,)) for owner, name in getattr(module, "memsched_written_buffers", ())]
 
 
 def detached(tree):

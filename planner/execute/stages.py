@@ -33,6 +33,7 @@ class StagedModel:
     example_inputs: tuple  # (first_stage_input, *extra_args)
     loss_fn: Callable  # loss_fn(last_stage_output) -> scalar tensor
     options: dict = field(default_factory=dict)  # the options it was built with (the zoo's), defaults filled in
+    report: tuple = ()  # lines saying how its stages were found, when memsched found them (profiles/discover.py)
 
     @classmethod
     def of(cls, model, example_inputs=None, loss_fn=None, *, user: str = "this", name: str = "model"):

@@ -1,0 +1,137 @@
+"""One call from an unmodified model to planned training: ``fit(model, example_inputs, budget)``.
+
+:func:`fit` discovers the model's stages (:mod:`profiles.discover`), profiles them on the example batch
+(:func:`profiles.chain_profiler.profile_chain`), solves for the budget (:func:`solvers.solve`) and returns a
+:class:`FittedModel`: called as the model is called, it returns the loss, computed under the plan (its
+backward then runs the plan's backward); ``.plan``, ``.chain`` and ``.predicted`` say what was planned. It is
+``loss = fitted(**batch); loss.backward(); optimizer.step()``, with ``fitted.parameters()`` the model's own.
+"""
+
+import dataclasses
+
+import torch
+
+import solvers
+from planner.errors import MemschedError
+from planner.execute.chain import apply_plan
+from planner.units import parse_budget
+from profiles.chain_profiler import profile_chain
+from profiles.discover import discover, returned_loss
+
+
+def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
+        replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
+        **options) -> "FittedModel":
+    """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
+
+    ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
+    is called). ``budget``: bytes (an int), a string with a unit (``"6GiB"``) or a percentage of the store-all
+    peak (``"50%"``); a budget below the least feasible one fails in one line saying what that is.
+    ``loss_fn(output)``: the scalar loss (default: ``output.loss`` when the model returns one, else the mean of
+    its output). ``solver``: as for ``memsched solve`` (``auto``: store everything when it fits, else rotor);
+    ``options`` go to it. A batch of other shapes, dtypes or arguments is refused in one line, or planned for
+    anew with ``replan=True`` (the plans kept per layout). ``warmup`` and ``repeats``: the profiler's runs per
+    stage; ``max_stages``: at most that many stages.
+    """
+    return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
+                       warmup=warmup, repeats=repeats, options=options)
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A plan for one layout of inputs: the discovery, its chain, the plan and the module that runs it."""
+
+    discovery: object
+    chain: object
+    plan: object
+    run: torch.nn.Module
+
+
+class FittedModel(torch.nn.Module):
+    """The model of :func:`fit`: ``fitted(*args, **kwargs)`` is the loss of ``model(*args, **kwargs)`` under the
+    plan. Its parameters are the model's (``model`` is its submodule)."""
+
+    def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
+                 options):
+        super().__init__()
+        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling
+        self.model = model
+        self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
+                              warmup=warmup, repeats=repeats, options=options)
+        self.replan = replan
+        self._plans = []
+        self._current = self._planned(example_inputs)
+
+    def _planned(self, example_inputs) -> _Planned:
+        """Discover, profile and solve for inputs laid out as ``example_inputs``."""
+        s = self._settings
+        discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
+                             max_stages=s["max_stages"])
+        staged = discovery.staged
+        chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
+                              repeats=s["repeats"], name=staged.name)
+        budget = _budget_bytes(s["budget"], chain)
+        plan = solvers.solve(chain, budget, s["solver"], **s["options"])
+        # the example batch is not kept: it would sit in memory beside every step
+        discovery.staged = dataclasses.replace(staged, example_inputs=None)
+        planned = _Planned(discovery, chain, plan, apply_plan(staged.stages, plan, chain))
+        self._plans.append(planned)
+        return planned
+
+    @property
+    def plan(self):
+        """The plan the next call runs by (:class:`planner.plan.Plan`)."""
+        return self._current.plan
+
+    @property
+    def chain(self):
+        """The profiled chain (:class:`planner.chain.Chain`) the plan was solved for."""
+        return self._current.chain
+
+    @property
+    def predicted(self):
+        """The simulator's prediction for the plan: ``.peak_bytes`` and ``.time`` (seconds)."""
+        return self._current.plan.predicted
+
+    @property
+    def discovery(self):
+        """The stages found (:class:`profiles.discover.Discovery`; ``describe()`` gives lines for people)."""
+        return self._current.discovery
+
+    def forward(self, *args, **kwargs):
+        try:
+            inputs = self._current.discovery.chain_inputs(args, kwargs)
+        except MemschedError:
+            if not self.replan:
+                raise
+            self._current = self._matching(args, kwargs) or self._planned(_example(args, kwargs))
+            inputs = self._current.discovery.chain_inputs(args, kwargs)
+        return self._current.run(*inputs)
+
+    def _matching(self, args, kwargs):
+        """The plan already made for inputs laid out as these, if any."""
+        for planned in self._plans:
+            try:
+                planned.discovery.check_batch(args, kwargs)
+            except MemschedError:
+                continue
+            return planned
+        return None
+
+
+def _example(args: tuple, kwargs: dict):
+    """A batch as :func:`fit` takes example inputs: the keywords, else the positional arguments."""
+    if args and kwargs:
+        raise MemschedError("fit(..., replan=True) plans again for positional or keyword inputs, not both at once")
+    return kwargs or args
+
+
+def _budget_bytes(budget, chain):
+    """``budget`` in bytes (a percentage of ``chain``'s store-all peak); with no chain yet, only read (None when it
+    is a percentage)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise MemschedError(f"fit budget: give bytes (an int), a string like '6GiB' or a percentage like '50%', "
+                            f"got {type(budget).__name__}")
+    if chain is None and str(budget).strip().endswith("%"):
+        return None
+    return parse_budget(str(budget), None if chain is None else solvers.store_all_peak(chain), what="fit budget")
