@@ -206,3 +206,19 @@ def test_two_inputs_needing_gradients_fail_in_one_line():
 def test_inputs_other_than_a_tensor_a_tuple_or_a_dict_fail_in_one_line():
     with pytest.raises(MemschedError, match="example inputs must be a tensor, a tuple"):
         discover(nn.Linear(4, 4), 3.0)
+
+
+def test_an_estimate_discovers_the_same_stages_and_sizes_without_allocating():
+    from profiles.chain_profiler import build_fake
+
+    mode, (model, inputs, _) = build_fake(MODELS["gpt2"])
+    estimated = discover(model, inputs).staged
+    chain = profile_chain(estimated.stages, estimated.example_inputs, loss_fn=estimated.loss_fn, estimate=True)
+    real_model, real_inputs, _ = MODELS["gpt2"]()
+    staged = discover(real_model, real_inputs).staged
+    real = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, warmup=0, repeats=1)
+    fields = ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes")
+    assert [s.name for s in chain.stages] == [s.name for s in real.stages]
+    assert [[getattr(s, f) for f in fields] for s in chain.stages] == [[getattr(s, f) for f in fields]
+                                                                       for s in real.stages]
+    assert chain.input_bytes == real.input_bytes and chain.loss.tmp_bytes == real.loss.tmp_bytes
