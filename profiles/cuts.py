@@ -21,6 +21,8 @@ _GUARDS = "_guards_fn"  # export's own check of its inputs' shapes: the fitted m
 
 @dataclass
 class Piece:
+    """A run of the differentiable sequence between two cuts: a stage to be."""
+
     nodes: list  # differentiable call nodes, in order
     incoming: object  # the node whose value comes in (a_0's node for the first piece)
     outgoing: object  # the node whose value goes out (the loss for the last)
@@ -30,7 +32,7 @@ class Cut:
     """The captured graph split into the prelude and the differentiable sequence, and the latter's cuts."""
 
     def __init__(self, graph_module, tensors, written, name):
-        self.graph_module, self.name = graph_module, name
+        self.graph_module = graph_module
         graph = graph_module.graph
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         if len(self.placeholders) != len(tensors):
@@ -84,8 +86,7 @@ class Cut:
         return any(r.op == "get_attr" and r.target in written for r in node.all_input_nodes)
 
     def _shared(self) -> list:
-        """The prelude's values (and input tensors) that differentiable nodes read, in graph order; the first
-        piece's input left out unless a later piece reads it."""
+        """The prelude's values (and input tensors) that differentiable nodes read, in graph order."""
         read = {r for n in self.sequence for r in n.all_input_nodes if r not in self.differentiable
                 and r.op != "get_attr"}
         return [n for n in self.placeholders + self.prelude_nodes if n in read]
@@ -197,6 +198,8 @@ def _storage_key(value):
 
 
 def _saves(op, value, producer, index) -> bool:
+    """Whether ``op``, run alone on fresh fake tensors under autograd, saves ``value`` (its output ``index`` when
+    ``op`` is the ``producer`` of a multi-output op, else the argument that is ``value``), by storage."""
     fake = value.meta["val"]
     mode = getattr(fake, "fake_mode", None)
     if mode is None or not isinstance(op.target, torch._ops.OpOverload):
@@ -282,7 +285,14 @@ def _splits_leaf(before, after, leaves) -> bool:
 
 
 def _has_parameters(piece) -> bool:
-    return any(r.op == "get_attr" for n in piece.nodes for r in n.all_input_nodes)
+    return any(_reads_parameter(n) for n in piece.nodes)
+
+
+def _reads_parameter(node) -> bool:
+    """Whether ``node`` reads a parameter of the model (not a buffer or a constant)."""
+    return any(r.op == "get_attr" and isinstance(functools.reduce(getattr, r.target.split("."),
+                                                                  r.graph.owning_module), torch.nn.Parameter)
+               for r in node.all_input_nodes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,7 +330,8 @@ def _owner(module, target) -> tuple:
 
 
 def _paths(nodes) -> list:
-    """The module path (``model.`` left off) of each node, as a tuple of names; the loss function's is ()."""
+    """The module path of each node as a tuple of names, ``model.`` left off (so the model's own ops have ());
+    the loss function's ops, outside the model, have ``("(loss)",)``."""
     found = []
     for node in nodes:
         stack = node.meta.get("nn_module_stack") or {}
@@ -354,13 +365,12 @@ def stage_names(pieces_nodes) -> list:
         name = base
         if bases.count(base) > 1:
             depth = len(_common(_paths(nodes)))
-            users = [n for n in nodes if any(r.op == "get_attr" for r in n.all_input_nodes)]
+            users = [n for n in nodes if _reads_parameter(n)]
             children = dict.fromkeys(p[depth] for p in _paths(users) if len(p) > depth)
             name = f"{base}[{','.join(children)}]" if children else base
         seen[name] = seen.get(name, 0) + 1
         names.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
     return names
-
 
 
 def leaf_name(path) -> str:
