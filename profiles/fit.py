@@ -98,6 +98,12 @@ class FittedModel(torch.nn.Module):
         """The stages found (:class:`profiles.discover.Discovery`; ``describe()`` gives lines for people)."""
         return self._current.discovery
 
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.cuda()``, ``.half()`` and the like are refused: the plan was measured on the model as it
+        was (device, dtypes), and its stages hold the model's buffers as they were then."""
+        raise MemschedError("a fitted model is planned for the device and dtypes it was fitted on: move or cast "
+                            "the model and its batch first, then call fit")
+
     def forward(self, *args, **kwargs):
         try:
             inputs = self._current.discovery.chain_inputs(args, kwargs)

@@ -87,6 +87,19 @@ def test_a_batch_of_other_shapes_fails_in_one_line_or_is_planned_for(gpt2):
     model.zero_grad(set_to_none=True)
 
 
+def test_moving_or_casting_a_fitted_model_is_refused_in_one_line(gpt2):
+    from planner import fit
+
+    model, batch = gpt2
+    fitted = fit(model, batch, "80%")
+    for move in (lambda: fitted.to(torch.float64), lambda: fitted.double()):
+        with pytest.raises(MemschedError, match="move or cast the model and its batch first, then call fit"):
+            move()
+    assert next(model.parameters()).dtype == torch.float32
+    fitted.train()  # modes are no move
+    assert fitted.training
+
+
 @pytest.mark.parametrize("budget, message", [
     ("1KiB", "least"), (-3, "cannot read '-3'"), ("0%", "must be a positive amount"), (2.5, "give bytes"),
 ])
