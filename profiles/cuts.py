@@ -42,29 +42,26 @@ class Cut:
         self.loss = tree_flatten(output.args[0])[0][0]
         self.calls = [n for n in graph.nodes if n.op == "call_function" or (
             n.op == "call_module" and n.target != _GUARDS)]
-        self.differentiable = self._differentiable(tensors, written)
+        grad_inputs = [p for p, t in zip(self.placeholders, tensors) if t.requires_grad]
+        self.differentiable = self._differentiable(grad_inputs, written)
         if self.loss not in self.differentiable:
             raise MemschedError(f"{name}: the loss does not depend on any parameter that needs a gradient: "
                                 f"nothing to train")
         self.sequence = [n for n in self.calls if n in self.differentiable]
         self.prelude_nodes = [n for n in self.calls if n not in self.differentiable]
-        grad_inputs = [p for p, t in zip(self.placeholders, tensors) if t.requires_grad]
         if len(grad_inputs) > 1:
             raise MemschedError(f"{name}: {len(grad_inputs)} inputs need gradients "
                                 f"({', '.join(p.name for p in grad_inputs)}); a chain takes one")
         self.first = grad_inputs[0] if grad_inputs else None
         self.shared = self._shared()
 
-    def _attribute(self, node):
-        return functools.reduce(getattr, node.target.split("."), self.graph_module)
-
-    def _differentiable(self, tensors, written) -> set:
+    def _differentiable(self, grad_inputs, written) -> set:
         """Nodes that depend on a parameter or input needing a gradient, and the random ops and buffer reads
         and writes that come after the first of them (kept in place, in the model's order)."""
-        found = {p for p, t in zip(self.placeholders, tensors) if t.requires_grad}
+        found = set(grad_inputs)
         for node in self.graph_module.graph.nodes:
             if node.op == "get_attr":
-                value = self._attribute(node)
+                value = _attribute(self.graph_module, node.target)
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     found.add(node)
         started = False
@@ -226,7 +223,7 @@ def _fake_argument(node, mode):
     """A node's value as a fresh fake tensor (requiring a gradient when floating point), as the op sees it."""
     value = node.meta.get("val")
     if value is None and node.op == "get_attr":
-        value = mode.from_tensor(functools.reduce(getattr, node.target.split("."), node.graph.owning_module))
+        value = mode.from_tensor(_attribute(node.graph.owning_module, node.target))
     if not isinstance(value, torch.Tensor):
         return value
     copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
@@ -290,8 +287,7 @@ def _has_parameters(piece) -> bool:
 
 def _reads_parameter(node) -> bool:
     """Whether ``node`` reads a parameter of the model (not a buffer or a constant)."""
-    return any(r.op == "get_attr" and isinstance(functools.reduce(getattr, r.target.split("."),
-                                                                  r.graph.owning_module), torch.nn.Parameter)
+    return any(r.op == "get_attr" and isinstance(_attribute(r.graph.owning_module, r.target), torch.nn.Parameter)
                for r in node.all_input_nodes)
 
 
@@ -326,7 +322,12 @@ def _activation_first(graph) -> None:
 def _owner(module, target) -> tuple:
     """``(module holding the buffer, its name)`` for a dotted buffer ``target``."""
     path, _, field = target.rpartition(".")
-    return functools.reduce(getattr, path.split("."), module) if path else module, field
+    return _attribute(module, path), field
+
+
+def _attribute(root, target: str):
+    """``root``'s attribute at the dotted ``target`` (``root`` itself for ``""``)."""
+    return functools.reduce(getattr, target.split("."), root) if target else root
 
 
 def _paths(nodes) -> list:

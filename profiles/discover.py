@@ -209,8 +209,7 @@ def _reference_run(step, tensors, name) -> tuple:
     names of the buffers that run wrote (their version counter or their values moved); state restored after."""
     buffers = dict(step.named_buffers(remove_duplicate=False))
     versions = {key: (buffer._version, buffer.clone()) for key, buffer in buffers.items()}
-    with preserved_state([step], _device(tensors)), torch.no_grad():
-        torch.manual_seed(VERIFY_SEED)
+    with _verifying(step, tensors):
         try:
             loss = step(*tensors)
         except Exception as exc:  # the user's model: any failure is theirs to fix
@@ -246,12 +245,20 @@ def _check_staged(discovery, tensors, reference, model) -> None:
     staged = discovery.staged
     if _fake(reference):  # an estimate (fake tensors) has no values to compare
         return
-    with preserved_state([model], _device(tensors)), torch.no_grad():
-        torch.manual_seed(VERIFY_SEED)
+    with _verifying(model, tensors):
         loss = run_stages(staged.stages, tuple(discovery.prelude(*tensors)))
     if not torch.equal(loss.reshape(()), reference.reshape(())):
         raise MemschedError(f"{staged.name}: the discovered stages compute the loss {float(loss)!r} where the model "
                             f"computes {float(reference)!r}; give the stages by hand (a list of modules)")
+
+
+@contextlib.contextmanager
+def _verifying(module, tensors):
+    """The conditions both sides of the check run in: no autograd, :data:`VERIFY_SEED`, and ``module``'s
+    buffers, gradients and random state restored afterwards."""
+    with preserved_state([module], _device(tensors)), torch.no_grad():
+        torch.manual_seed(VERIFY_SEED)
+        yield
 
 
 def _fake(tensor) -> bool:
