@@ -9,6 +9,7 @@ planner/measured_on.py). Every field is defined in docs/formats.md (``memsched.c
 simulator counts them in docs/model.md.
 """
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -24,14 +25,37 @@ from planner.units import sum_seconds
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
-                 "bwd_tmp_bytes", "param_bytes", "own_saved_bytes")
+                 "bwd_tmp_bytes", "param_bytes", "own_saved_bytes", "options")
+_OPTION_FIELDS = ("keep", "fwd_time", "bwd_time", "saved_bytes", "own_saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes", "saved_bytes")
 
 
 @dataclass(frozen=True)
+class StageOption:
+    """Another way to run a stage's forward with autograd: keep only the results of the forward operations
+    ``keep`` (their positions among the operations a selective-checkpoint policy is asked about, in forward
+    order) and recompute the rest at the backward. Its fields replace the stage's own for ``F_all`` and ``B``
+    (the output is still made and held; ``saved_bytes`` includes it): ``fwd_time`` and ``fwd_tmp_bytes`` of that
+    forward, ``saved_bytes`` / ``own_saved_bytes`` what it keeps for its backward, ``bwd_time`` and
+    ``bwd_tmp_bytes`` of the backward, the recomputation included. Measured by profiles/options.py."""
+
+    keep: tuple
+    fwd_time: float
+    bwd_time: float
+    saved_bytes: int
+    own_saved_bytes: int
+    fwd_tmp_bytes: int = 0
+    bwd_tmp_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return {field: list(self.keep) if field == "keep" else getattr(self, field) for field in _OPTION_FIELDS}
+
+
+@dataclass(frozen=True)
 class Stage:
-    """One stage of the chain (seconds and bytes)."""
+    """One stage of the chain (seconds and bytes); ``options``: :class:`StageOption` s an ``F_all`` may run
+    with instead (``Op.option`` indexes them)."""
 
     name: str
     fwd_time: float
@@ -43,6 +67,7 @@ class Stage:
     param_bytes: int = 0
     nograd_tmp_bytes: int = None  # None: as fwd_tmp_bytes
     own_saved_bytes: int = None  # None: as saved_bytes
+    options: tuple = ()
 
     def __post_init__(self):
         if self.nograd_tmp_bytes is None:
@@ -51,10 +76,25 @@ class Stage:
             object.__setattr__(self, "own_saved_bytes", self.saved_bytes)
 
     def to_dict(self) -> dict:
-        """The stage's JSON object; ``own_saved_bytes`` only where it differs from ``saved_bytes`` (its default),
-        so that chains without it keep their fingerprints."""
-        fields = [f for f in _STAGE_FIELDS if f != "own_saved_bytes" or self.own_saved_bytes != self.saved_bytes]
-        return {field: getattr(self, field) for field in fields}
+        """The stage's JSON object; ``own_saved_bytes`` only where it differs from ``saved_bytes`` (its default)
+        and ``options`` only when there are some, so that chains without them keep their fingerprints."""
+        fields = [f for f in _STAGE_FIELDS if (f != "own_saved_bytes" or self.own_saved_bytes != self.saved_bytes)
+                  and (f != "options" or self.options)]
+        return {field: [option.to_dict() for option in self.options] if field == "options" else getattr(self, field)
+                for field in fields}
+
+    def running(self, option) -> "Stage":
+        """This stage as ``F_all`` with ``option`` (an index into :attr:`options`; None: itself) runs it, and the
+        ``B`` after it."""
+        if option is None:
+            return self
+        if not isinstance(option, int) or not 0 <= option < len(self.options):
+            raise ValueError(f"stage {self.name!r} has {len(self.options)} options; option {option} is not one")
+        chosen = self.options[option]
+        return Stage(name=self.name, fwd_time=chosen.fwd_time, bwd_time=chosen.bwd_time, out_bytes=self.out_bytes,
+                     saved_bytes=chosen.saved_bytes, fwd_tmp_bytes=chosen.fwd_tmp_bytes,
+                     bwd_tmp_bytes=chosen.bwd_tmp_bytes, param_bytes=self.param_bytes,
+                     nograd_tmp_bytes=self.nograd_tmp_bytes, own_saved_bytes=chosen.own_saved_bytes)
 
 
 @dataclass(frozen=True)
@@ -89,6 +129,15 @@ class Chain:
     def length(self) -> int:
         """Number of stages L."""
         return len(self.stages)
+
+    @property
+    def has_options(self) -> bool:
+        """True when some stage has :class:`StageOption` s (the hierarchical solver chooses among them)."""
+        return any(stage.options for stage in self.stages)
+
+    def without_options(self) -> "Chain":
+        """This chain with every stage's options dropped (a different problem: another fingerprint)."""
+        return dataclasses.replace(self, stages=tuple(dataclasses.replace(s, options=()) for s in self.stages))
 
     @property
     def compute_time(self) -> float:
@@ -176,7 +225,39 @@ def _stage_from_dict(raw, where: str, index: int) -> Stage:
             f"{values['saved_bytes'] - values['out_bytes']} and saved_bytes = {values['saved_bytes']} "
             "(it is saved_bytes less the outputs the stage's backward does not read)"
         )
+    values["options"] = _options_from_list(raw.get("options", []), f"{where}.options", values["out_bytes"])
     return Stage(**values)
+
+
+def _options_from_list(raw, where: str, out_bytes: int) -> tuple:
+    if not isinstance(raw, list):
+        raise MemschedError(f"{where} must be a list of option objects with fields {', '.join(_OPTION_FIELDS)}")
+    options = []
+    for k, item in enumerate(raw):
+        here = f"{where}[{k}]"
+        if not isinstance(item, dict):
+            raise MemschedError(f"{here} must be an object with fields {', '.join(_OPTION_FIELDS)}")
+        validate.reject_unknown(item, _OPTION_FIELDS, here)
+        keep = validate.require(item, "keep", here)
+        if not isinstance(keep, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in keep) \
+                or keep != sorted(set(keep)):
+            raise MemschedError(f"{here}.keep must be a list of distinct operation positions (integers >= 0) in "
+                                f"increasing order, got {keep!r}")
+        values = {"keep": tuple(keep)}
+        for field in ("fwd_time", "bwd_time"):
+            values[field] = validate.non_negative_seconds(validate.require(item, field, here), f"{here}.{field}")
+        for field in ("saved_bytes", "own_saved_bytes"):
+            values[field] = validate.non_negative_bytes(validate.require(item, field, here), f"{here}.{field}")
+        for field in ("fwd_tmp_bytes", "bwd_tmp_bytes"):
+            values[field] = validate.non_negative_bytes(item.get(field, 0), f"{here}.{field}")
+        if values["saved_bytes"] < out_bytes:
+            raise MemschedError(f"{here}.saved_bytes = {values['saved_bytes']} is below the stage's out_bytes = "
+                                f"{out_bytes}; an option still makes and holds the output")
+        if not values["saved_bytes"] - out_bytes <= values["own_saved_bytes"] <= values["saved_bytes"]:
+            raise MemschedError(f"{here}.own_saved_bytes = {values['own_saved_bytes']} must be between saved_bytes "
+                                f"- out_bytes and saved_bytes")
+        options.append(StageOption(**values))
+    return tuple(options)
 
 
 def _loss_from_dict(raw, where: str) -> Loss:

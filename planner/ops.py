@@ -15,19 +15,23 @@ GRAPH_OPS = ("compute", "free")
 
 
 class Op(NamedTuple):
-    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``), and for a transfer the
-    item ``what`` in :data:`ITEMS`."""
+    """One scheduled operation: ``kind`` in :data:`OPS`, ``stage`` (None for ``Loss``), for a transfer the
+    item ``what`` in :data:`ITEMS`, and for ``F_all`` the index of the stage's ``option`` it runs with (None:
+    the stage keeps everything it saves; planner/chain.py, :class:`planner.chain.StageOption`)."""
 
     kind: str
     stage: Optional[int] = None
     what: Optional[str] = None
+    option: Optional[int] = None
 
     def __str__(self) -> str:
         text = self.kind if self.stage is None else f"{self.kind} {self.stage}"
+        text = text if self.option is None else f"{text} option {self.option}"
         return text if self.what is None else f"{text} {self.what}"
 
     def to_dict(self) -> dict:
         out = {"op": self.kind} if self.stage is None else {"op": self.kind, "stage": self.stage}
+        out = out if self.option is None else {**out, "option": self.option}
         return out if self.what is None else {**out, "what": self.what}
 
 
@@ -50,6 +54,11 @@ def activation_read(op: Op, length: int) -> Optional[int]:
     if op.kind == "Loss":
         return length
     return None if op.kind in TRANSFER_OPS else op.stage
+
+
+def chosen_options(schedule) -> dict:
+    """``{stage: option}`` for every ``F_all`` of ``schedule`` that runs with one of its stage's options."""
+    return {op.stage: op.option for op in schedule if op.kind == "F_all" and op.option is not None}
 
 
 def host_weight_stages(schedule) -> frozenset:

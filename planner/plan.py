@@ -308,7 +308,7 @@ def _index(item: dict, key: str, here: str) -> int:
 def _schedule_from_list(raw, where: str) -> tuple:
     ops = []
     for here, item in _operations(raw, where, '{"op": "B", "stage": 3}'):
-        validate.reject_unknown(item, ("op", "stage", "what"), here)
+        validate.reject_unknown(item, ("op", "stage", "what", "option"), here)
         kind = validate.require(item, "op", here)
         if kind not in OPS:
             raise MemschedError(f"{here}: unknown op {kind!r}; expected one of {', '.join(OPS)}")
@@ -320,12 +320,15 @@ def _schedule_from_list(raw, where: str) -> tuple:
             continue
         if "what" in item:
             raise MemschedError(f"{here}: only {', '.join(TRANSFER_OPS)} take 'what'")
+        if "option" in item and kind != "F_all":
+            raise MemschedError(f"{here}: only F_all takes 'option' (the stage option it runs with)")
         if kind == "Loss":
             if item.get("stage") is not None:
                 raise MemschedError(f"{here}: Loss takes no stage")
             ops.append(Op("Loss"))
             continue
-        ops.append(Op(kind, _index(item, "stage", here)))
+        option = _index(item, "option", here) if "option" in item else None
+        ops.append(Op(kind, _index(item, "stage", here), option=option))
     return tuple(ops)
 
 

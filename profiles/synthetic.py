@@ -9,19 +9,20 @@ import dataclasses
 
 import numpy as np
 
-from planner.chain import Chain, Loss, Stage
+from planner.chain import Chain, Loss, Stage, StageOption
 from planner.graph import Graph, GraphNode
 
 
 def random_chain(length: int, seed: int = 0, *, homogeneous: bool = False, tmp: bool = False, params: bool = False,
-                 own_saved: bool = False, scale_bytes: int = 10**7, name: str = None) -> Chain:
+                 own_saved: bool = False, options: int = 0, scale_bytes: int = 10**7, name: str = None) -> Chain:
     """A chain of ``length`` stages drawn from ``seed``.
 
     ``tmp`` adds forward/backward temporaries and a loss temporary; ``params``
     adds parameter gradients; ``own_saved`` makes about half the stages not
     save (part of) their output for their own backward (``own_saved_bytes``
-    below ``saved_bytes``), drawn last so that the other fields do not change.
-    ``scale_bytes`` is the typical activation size.
+    below ``saved_bytes``), drawn last so that the other fields do not change;
+    ``options`` gives each stage up to that many options (planner.chain.StageOption: less kept, a slower
+    backward), drawn after everything else. ``scale_bytes`` is the typical activation size.
     """
     rng = np.random.default_rng(seed)
     count = 1 if homogeneous else length
@@ -48,8 +49,28 @@ def random_chain(length: int, seed: int = 0, *, homogeneous: bool = False, tmp: 
         unread = [int(rng.integers(0, s.out_bytes + 1)) if rng.random() < 0.5 else 0 for s in stages]
         stages = tuple(dataclasses.replace(s, own_saved_bytes=s.saved_bytes - unread[pick(i)])
                        for i, s in enumerate(stages))
+    if options:
+        stages = tuple(dataclasses.replace(s, options=_random_options(rng, s, options)) for s in stages)
     return Chain(name=name or f"synthetic_L{length}_s{seed}", device="synthetic",
                  input_bytes=input_bytes, stages=stages, loss=loss)
+
+
+def _random_options(rng, stage: Stage, most: int) -> tuple:
+    """Up to ``most`` options of ``stage``: each keeps a fraction of what the stage keeps beyond its output,
+    recomputes part of its forward in its backward and may need more temporary bytes there."""
+    chosen = []
+    for k in range(int(rng.integers(0, most + 1))):
+        fraction = float(rng.uniform(0.0, 1.0))
+        inner = stage.saved_bytes - stage.out_bytes
+        saved = stage.out_bytes + int(inner * fraction)
+        unread = stage.saved_bytes - stage.own_saved_bytes  # the output, or part of it, read by nothing later
+        chosen.append(StageOption(
+            keep=(k,), fwd_time=stage.fwd_time, bwd_time=float(round(stage.bwd_time + stage.fwd_time * (1 - fraction)
+                                                                      * rng.uniform(0.5, 1.0), 6)),
+            saved_bytes=saved, own_saved_bytes=saved - min(unread, stage.out_bytes),
+            fwd_tmp_bytes=int(stage.fwd_tmp_bytes * rng.uniform(0.5, 1.0)),
+            bwd_tmp_bytes=stage.bwd_tmp_bytes + int(inner * (1 - fraction) * rng.uniform(0.0, 1.0))))
+    return tuple(chosen)
 
 
 _SHAPES = ("random", "resnet", "transformer")

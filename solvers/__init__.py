@@ -38,7 +38,7 @@ from solvers.offload import offload_greedy as _offload_greedy
 from solvers.pofo import pofo as _pofo
 from solvers.result import NoSchedule, Solution, solver_params
 from solvers.revolve import revolve
-from solvers.rotor import check_length, rotor
+from solvers.rotor import check_length, hierarchical, rotor
 from solvers.sqrt import sqrt
 from solvers.weights import chosen_weight_stages, place_weight_transfers, weight_reserve
 
@@ -48,6 +48,7 @@ SOLVERS = {
     "sqrt": sqrt,
     "revolve": revolve,
     "rotor": rotor,
+    "hierarchical": hierarchical,
 }
 OFFLOAD_SOLVERS = {
     "offload": _offload,  # (aliased so that ``solvers.offload`` and ``solvers.pofo`` stay the modules)
@@ -64,8 +65,11 @@ def store_all_peak(chain: Chain) -> int:
 
 
 def choose_solver(chain: Chain, budget: int) -> str:
-    """``auto``: store everything when it fits (no overhead), else Rotor, the exact solver for chains."""
-    return "store_all" if budget >= store_all_peak(chain) else "rotor"
+    """``auto``: store everything when it fits (no overhead), else Rotor, the exact solver for chains, or where
+    the stages have options (planner.chain.StageOption) the hierarchical solver, which chooses among them."""
+    if budget >= store_all_peak(chain):
+        return "store_all"
+    return "hierarchical" if chain.has_options else "rotor"
 
 
 def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **params) -> Plan:
@@ -81,10 +85,10 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **param
     if weights is not None:
         return _solve_with_host_weights(chain, budget, solver, weights, params)
     offloading = solver in OFFLOAD_SOLVERS
-    if solver in ("auto", "rotor"):  # before the least memory, which is what takes minutes on such a chain
+    if solver in ("auto", "rotor", "hierarchical"):  # before the least memory, which takes minutes on such a chain
         check_length(chain)
     if not offloading:  # offloading can go below it, and its solvers state the least peak they reach
-        minimum = minimum_budget(chain)
+        minimum = minimum_budget(chain, options=solver in ("auto", "hierarchical"))
         if budget < minimum:
             raise MemschedError(
                 f"budget {format_bytes(budget)} ({budget} bytes) is below the minimum feasible "
@@ -99,7 +103,8 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, **param
     transfer = solution.transfer
     result = simulate(chain, solution.schedule, transfer)
     if result.peak_bytes > budget:
-        hint = "--solver offload" if offloading else f"--solver rotor (feasible down to {format_bytes(minimum)})"
+        hint = "--solver offload" if offloading else (f"--solver {'hierarchical' if chain.has_options else 'rotor'} "
+                                                      f"(feasible down to {format_bytes(minimum)})")
         raise MemschedError(f"{name}: its schedule peaks at {format_bytes(result.peak_bytes)}, above the budget "
                             f"{format_bytes(budget)}; raise the budget or use {hint}")
     return _plan(chain, name, solution, elapsed, budget, result, transfer=transfer, measured_on=chain.measured_on)

@@ -17,16 +17,22 @@ from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
 
 @numba.njit(cache=True)
-def _least_memory_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, need):
-    """``need[i, i]`` for every ``i`` (in place)."""
+def _least_memory_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, need, choice):
+    """``need[i, i]`` and the way ``choice[i, i]`` (CHAIN or -k) for every ``i`` (in place); the way arrays are
+    (ways, index) as in RotorArrays."""
     for i in range(len(need)):
-        need[i, i] = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
+        need[i, i], choice[i, i] = np.iinfo(np.int64).max, CHAIN
+        for k in range(xbar.shape[0]):
+            low = max(x[i + 1] + xbar[k, i + 1] + fwd_tmp[k, i], x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i])
+            if low < need[i, i]:
+                need[i, i], choice[i, i] = low, -k
 
 
 @numba.njit(cache=True)
-def _least_memory_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, need, choice, first, last):
+def _least_memory_spans(x, nograd_tmp, param_prefix, xbar, xown, fwd_tmp, bwd_tmp, need, choice, first, last):
     """``need[i, e]`` and ``choice[i, e]`` (in place) for the sub-chains ``i..e`` of spans ``first..last-1``,
-    the shorter ones being filled: the least bytes and the choice (CHAIN or leaf j) that achieves it."""
+    the shorter ones being filled: the least bytes and the choice (CHAIN or -k for way k, or leaf j) that
+    achieves it."""
     length = len(need) - 1
     for span in range(first, last):
         for i in range(length + 1 - span):
@@ -41,10 +47,12 @@ def _least_memory_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefi
                 leaf = max(forwards, x[j] + need[j, end], later_params + need[i, j - 1])
                 if leaf < best:
                     best, best_choice = leaf, j
-            chain = max(held + xbar[i + 1] + fwd_tmp[i], xbar[i + 1] + need[i + 1, end],
-                        x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i] + param_prefix[end + 1] - param_prefix[i + 1])
-            if chain < best:
-                best, best_choice = chain, CHAIN
+            for k in range(xbar.shape[0]):
+                chain = max(held + xbar[k, i + 1] + fwd_tmp[k, i], xbar[k, i + 1] + need[i + 1, end],
+                            x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i] + param_prefix[end + 1]
+                            - param_prefix[i + 1])
+                if chain < best:
+                    best, best_choice = chain, -k
             need[i, end], choice[i, end] = best, best_choice
 
 
@@ -55,32 +63,33 @@ def _least_memory_table(a, deadline: Deadline = None):
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
     choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
 
-    def compile_kernels():  # the diagonal, and an empty range of spans
-        _least_memory_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, need)
-        _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, need, choice,
-                            1, 1)
+    ways = a.ways[:4]  # xbar, xown, fwd_tmp, bwd_tmp per way
 
-    fill_by_spans(length, lambda span: (length + 1 - span) * span,
-                  lambda first, last: _least_memory_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp,
-                                                          a.param_prefix, need, choice, first, last),
+    def compile_kernels():  # the diagonal, and an empty range of spans
+        _least_memory_diagonal(a.x, *ways, need, choice)
+        _least_memory_spans(a.x, a.nograd_tmp, a.param_prefix, *ways, need, choice, 1, 1)
+
+    fill_by_spans(length, lambda span: (length + 1 - span) * span * len(a.ways_xbar),
+                  lambda first, last: _least_memory_spans(a.x, a.nograd_tmp, a.param_prefix, *ways, need, choice,
+                                                          first, last),
                   deadline, "computing the least memory", warm_up=compile_kernels)
     return need, choice
 
 
-def _table(chain: Chain, deadline: Deadline = None):
-    a = rotor_arrays(chain)
+def _table(chain: Chain, deadline: Deadline = None, options: bool = False):
+    a = rotor_arrays(chain, options=options)
     return a, *_least_memory_table(a, deadline)
 
 
-def minimum_budget(chain: Chain, deadline: Deadline = None) -> int:
-    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included); raises
-    :class:`TimeLimitReached` when ``deadline`` passes first."""
-    arrays, need, _ = _table(chain, deadline)
+def minimum_budget(chain: Chain, deadline: Deadline = None, options: bool = False) -> int:
+    """Bytes: the peak of the least-memory schedule for ``chain`` (the input included), its F_all choosing among
+    the stages' options with ``options``; raises :class:`TimeLimitReached` when ``deadline`` passes first."""
+    arrays, need, _ = _table(chain, deadline, options)
     final_state = arrays.x[0] + arrays.param_prefix[-1]  # δ_0 and every parameter gradient, after the last backward
     return int(arrays.x[0] + max(need[0, chain.length], final_state))
 
 
-def least_memory_schedule(chain: Chain) -> tuple:
+def least_memory_schedule(chain: Chain, options: bool = False) -> tuple:
     """A schedule whose peak is :func:`minimum_budget` (the slowest useful one, usually)."""
-    arrays, _, choice = _table(chain)
+    arrays, _, choice = _table(chain, options=options)
     return build_schedule(arrays, lambda i, end, m: choice[i, end], 0)

@@ -23,7 +23,7 @@ from solvers.limits import fill_by_spans
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.revolve import revolve_schedule
-from solvers.rotor_model import CHAIN, RotorArrays, build_schedule, rotor_arrays
+from solvers.rotor_model import NONE, RotorArrays, build_schedule, rotor_arrays
 from solvers.sqrt import fastest_segments, segment_bounds
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
@@ -53,19 +53,25 @@ def _relax(best, low, high, step, right, right_shift, left, left_shift):
 
 @numba.njit(cache=True, parallel=True)
 def _fill_diagonal(x, xbar, xown, fwd_tmp, bwd_tmp, fwd_time, bwd_time, opt):
-    """Fill ``opt[i, i, :]`` for every ``i`` (in place)."""
+    """Fill ``opt[i, i, :]`` for every ``i`` (in place); the way arrays are (ways, index) as in RotorArrays."""
     top = opt.shape[2] - 1
-    for i in numba.prange(len(fwd_time)):
-        low = max(x[i + 1] + xbar[i + 1] + fwd_tmp[i], x[i] + x[i + 1] + xown[i + 1] + bwd_tmp[i])
+    for i in numba.prange(fwd_time.shape[1]):
         row = opt[i, i]
-        for m in range(top + 1):
-            row[m] = fwd_time[i] + bwd_time[i] if m >= low else np.inf
+        row[:] = np.inf
+        for k in range(fwd_time.shape[0]):
+            low = max(x[i + 1] + xbar[k, i + 1] + fwd_tmp[k, i], x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i])
+            cost = fwd_time[k, i] + bwd_time[k, i]
+            for m in range(low, top + 1):
+                if cost < row[m]:
+                    row[m] = cost
 
 
 @numba.njit(cache=True, parallel=True)
-def _fill_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt, first, last):
+def _fill_spans(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_tmp, way_fwd_time, bwd_time, opt,
+                first, last):
     """Fill ``opt[i, e, :]`` (in place) for the sub-chains of spans ``e - i`` in ``first..last-1``, the shorter
-    ones being filled (entries with ``i > e`` are left untouched)."""
+    ones being filled (entries with ``i > e`` are left untouched). ``fwd_time`` is a stage's forward without
+    autograd (leaves); the way arrays (ways, index) give each way of F_all and B (chain)."""
     length = len(fwd_time) - 1
     top = opt.shape[2] - 1
     zeros = np.zeros(top + 1)
@@ -81,9 +87,11 @@ def _fill_spans(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_t
                 low = max(forwards, x[j], later_params)
                 if low <= top:
                     _relax(best, low, top + 1, advance, opt[j, end], x[j], opt[i, j - 1], later_params)
-            low = _chain_need(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, i, end)
-            if low <= top:  # chain: F_all i, solve i+1..e, B i
-                _relax(best, low, top + 1, fwd_time[i] + bwd_time[i], opt[i + 1, end], xbar[i + 1], zeros, 0)
+            for k in range(xbar.shape[0]):  # chain: F_all i (way k), solve i+1..e, B i
+                low = _chain_need(x, xbar[k], xown[k], fwd_tmp[k], bwd_tmp[k], param_prefix, i, end)
+                if low <= top:
+                    _relax(best, low, top + 1, way_fwd_time[k, i] + bwd_time[k, i], opt[i + 1, end], xbar[k, i + 1],
+                           zeros, 0)
             opt[i, end, :] = best
 
 
@@ -115,28 +123,36 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
     """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
     a, length = arrays, arrays.length
     opt = np.empty((length + 1, length + 1, top + 1))
-    _fill_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.fwd_time, a.bwd_time, opt)
+    _fill_diagonal(a.x, *a.ways, opt)
     # In chunks of a few milliseconds: a Ctrl-C is raised between two of them, never inside numba (solvers/limits.py).
-    fill_by_spans(length, lambda span: (length + 1 - span) * span * (top + 1),
-                  lambda first, last: _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp,
-                                                  a.param_prefix, a.fwd_time, a.bwd_time, opt, first, last))
+    fill_by_spans(length, lambda span: (length + 1 - span) * span * (top + 1) * len(a.ways_xbar),
+                  lambda first, last: _fill_spans(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt,
+                                                  first, last))
     return opt
 
 
 def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) -> int:
-    """The choice behind ``opt[i, e, m]`` (CHAIN or a leaf j), recomputed with the kernel's arithmetic.
+    """The choice behind ``opt[i, e, m]`` (CHAIN or -k for way k, or a leaf j), recomputed with the kernel's
+    arithmetic (for ``i == e``, the way of the single stage).
 
     Only the O(L) sub-chains on the optimal path are asked, so the table need
-    not store choices. Ties go to a leaf, and to the first j among leaves.
+    not store choices. Ties go to a leaf, to the first j among leaves, and to the first way.
     """
     a = arrays
-    return _best_choice(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
-                        a.bwd_time, opt, i, end, m)
+    return _best_choice(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, i, end, m)
 
 
 @numba.njit(cache=True)
-def _best_choice(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_time, bwd_time, opt, i, end, m):
-    best, choice = np.inf, -1
+def _best_choice(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_tmp, way_fwd_time, bwd_time, opt,
+                 i, end, m):
+    best, choice = np.inf, NONE
+    if i == end:
+        for k in range(xbar.shape[0]):
+            low = max(x[i + 1] + xbar[k, i + 1] + fwd_tmp[k, i], x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i])
+            cost = way_fwd_time[k, i] + bwd_time[k, i]
+            if m >= low and cost < best:
+                best, choice = cost, -k
+        return choice
     advance, forwards = 0.0, 0
     for j in range(i + 1, end + 1):
         advance += fwd_time[j - 1]
@@ -146,10 +162,11 @@ def _best_choice(x, xbar, xown, fwd_tmp, nograd_tmp, bwd_tmp, param_prefix, fwd_
             cost = advance + opt[j, end, m - x[j]] + opt[i, j - 1, m - later_params]
             if cost < best:
                 best, choice = cost, j
-    if m >= _chain_need(x, xbar, xown, fwd_tmp, bwd_tmp, param_prefix, i, end):
-        cost = (fwd_time[i] + bwd_time[i]) + opt[i + 1, end, m - xbar[i + 1]]
-        if cost < best:
-            best, choice = cost, CHAIN
+    for k in range(xbar.shape[0]):
+        if m >= _chain_need(x, xbar[k], xown[k], fwd_tmp[k], bwd_tmp[k], param_prefix, i, end):
+            cost = (way_fwd_time[k, i] + bwd_time[k, i]) + opt[i + 1, end, m - xbar[k, i + 1]]
+            if cost < best:
+                best, choice = cost, -k
     return choice
 
 
@@ -287,10 +304,10 @@ class _Levels:
     """Rotor's table for ``chain`` (merged into ``bounds`` groups, or not) at ``unit`` up to level ``top``, and
     the schedule of each level, expanded to the original stages and replayed."""
 
-    def __init__(self, chain: Chain, bounds, unit: int, top: int):
+    def __init__(self, chain: Chain, bounds, unit: int, top: int, options: bool = False):
         self.bounds = bounds
         self.problem = chain if bounds is None else merge_stages(chain, bounds)
-        self.arrays = rotor_arrays(self.problem, unit)
+        self.arrays = rotor_arrays(self.problem, unit, options)
         self.opt = compute_table(self.arrays, top)
         self.simulator = ChainSimulator(chain)
         self._replays = {}
@@ -387,7 +404,8 @@ def check_length(chain: Chain) -> None:
 
 def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
     """The fastest schedule whose peak fits ``budget``, at ``slots`` discretisation (None: chosen from the
-    chain, see docs/solvers.md; the plan's ``params`` record what was used).
+    chain, see docs/solvers.md; the plan's ``params`` record what was used); every ``F_all`` keeps everything
+    its stage saves (the stages' options are not used: :func:`hierarchical` chooses among them).
 
     Rounding sizes up can hide schedules that fit in exact bytes at the two
     ends of the budget range, so both ends are checked in bytes first: when
@@ -400,6 +418,19 @@ def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
     the table's is returned (not marked optimal), so Rotor is never slower than
     them at any budget.
     """
+    return _fastest(chain, budget, slots, options=False)
+
+
+def hierarchical(chain: Chain, budget: int, slots: int = None) -> Solution:
+    """Rotor's dynamic program where each ``F_all i`` also chooses one of stage i's options (planner/chain.py,
+    :class:`planner.chain.StageOption`: which of its results the stage keeps for its backward) or none; the same
+    discretisation, byte checks and fallbacks as :func:`rotor`, of which it is a superset (never slower at any
+    budget; below rotor's least memory where a stage's own saved tensors dominate). A chain without options
+    gets rotor's schedule; a chain merged into groups to fit the table (long chains) loses its options."""
+    return _fastest(chain, budget, slots, options=True)
+
+
+def _fastest(chain: Chain, budget: int, slots, options: bool) -> Solution:
     length = chain.length
     check_length(chain)
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1):
@@ -425,7 +456,7 @@ def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
         raise MemschedError(_limit_error(chain, slots, top + 1))
     found, found_time = None, np.inf
     if top >= 0:
-        levels = _Levels(chain, bounds, unit, top)
+        levels = _Levels(chain, bounds, unit, top, options)
         level = _highest_fitting_level(levels, budget, base, top)
         if level is not None:
             schedule, result = levels.replay(level)
@@ -436,7 +467,7 @@ def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
     if segments is not None and segments[0] < found_time:
         found, found_time = Solution(segments[1], params=params, optimal=False), segments[0]
     if found is None:
-        least = least_memory_schedule(chain)
+        least = least_memory_schedule(chain, options)
         result = simulator.run(least)
         if result.peak_bytes <= budget:
             found, found_time = Solution(least, params=params, optimal=False), result.time
@@ -447,6 +478,6 @@ def rotor(chain: Chain, budget: int, slots: int = None) -> Solution:
         if binomial is not None and binomial[0] < found_time:
             found, found_time = Solution(binomial[1], params=params, optimal=False), binomial[0]
     if found is None:
-        raise MemschedError(f"rotor: no schedule fits {budget} bytes; the least memory any schedule needs is "
-                            "above it")
+        raise MemschedError(f"{'hierarchical' if options else 'rotor'}: no schedule fits {budget} bytes; the "
+                            "least memory any schedule needs is above it")
     return found

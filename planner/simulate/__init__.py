@@ -6,7 +6,9 @@ simulator for it, chain (:mod:`.chain`), offload (:mod:`.offload`, a chain sched
 refuse a schedule that cannot run without the problem. The rules are in docs/model.md.
 """
 
-from planner.chain import Chain, Loss, Stage
+import dataclasses
+
+from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.graph import Graph
 from planner.ops import TRANSFER_OPS, host_weight_stages, planned_stages
@@ -21,6 +23,7 @@ from planner.transfer import Transfer
 __all__ = ["simulate", "check_schedule", "check_plan_schedules"]
 
 _NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
+_NO_OPTION = StageOption(keep=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0, own_saved_bytes=0)
 
 
 def simulate(problem, plan_or_schedule, transfer: Transfer = None):
@@ -63,7 +66,13 @@ def check_schedule(schedule, length: int) -> None:
     """
     if length < 1:
         raise ScheduleError("schedule runs no forward or backward of any stage; a chain has at least one stage")
-    chain = Chain(name="schedule check", device="none", input_bytes=0, stages=(_NO_SIZES,) * length, loss=Loss())
+    options = {}  # each option a schedule names, as a zero-sized one (whether the stage has it needs the chain)
+    for op in schedule:
+        if op.option is not None and op.stage is not None and 0 <= op.stage < length:
+            options[op.stage] = max(options.get(op.stage, 0), op.option + 1)
+    stages = tuple(dataclasses.replace(_NO_SIZES, options=(_NO_OPTION,) * options[i]) if i in options else _NO_SIZES
+                   for i in range(length))
+    chain = Chain(name="schedule check", device="none", input_bytes=0, stages=stages, loss=Loss())
     if any(op.kind in TRANSFER_OPS for op in schedule):
         OffloadSimulator(chain, Transfer(1.0, 1.0), host_weight_stages(schedule)).run(schedule)
     else:

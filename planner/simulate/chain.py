@@ -22,6 +22,7 @@ class ChainState(NamedTuple):
     grad: int  # δ_i held
     done: int  # bit i: backward of stage i done; bit L: loss done
     memory: int  # resident bytes
+    options: tuple = ()  # per stage, the option its F_all ran with (None: the stage itself); () while none did
 
 
 class ChainSimulator:
@@ -55,6 +56,7 @@ class ChainSimulator:
             raise ValueError(f"stage must be between 0 and {length - 1}")
         stage = self.chain.stages[i]
         if op.kind == "B":
+            stage = stage.running(state.options[i] if state.options else None)
             if state.done >> i & 1:
                 raise ValueError(f"the backward of stage {i} has already run")
             if not state.abar >> (i + 1) & 1:
@@ -77,10 +79,17 @@ class ChainSimulator:
         if op.kind == "F_all":
             if state.abar & out:
                 raise ValueError(f"ā_{i + 1} is already in memory")
+            stage = stage.running(op.option)
             peak = state.memory + stage.saved_bytes + stage.fwd_tmp_bytes
             held = stage.own_saved_bytes if state.grad & out else stage.saved_bytes
             new = state._replace(abar=state.abar | out, memory=state.memory + held)
+            if op.option is not None or state.options:
+                options = list(state.options or (None,) * length)
+                options[i] = op.option
+                new = new._replace(options=tuple(options))
             return new, peak, stage.fwd_time
+        if op.option is not None:
+            raise ValueError(f"only F_all runs with an option, not {op.kind}")
         if (state.standalone | state.abar) & out:
             raise ValueError(f"a_{i + 1} is already in memory")
         peak = state.memory + stage.out_bytes + stage.nograd_tmp_bytes
@@ -104,7 +113,7 @@ class ChainSimulator:
         shrinking ``ā_i`` to what stage i-1's backward reads."""
         bit = 1 << i
         if i > 0 and state.abar & bit:
-            producer = self.chain.stages[i - 1]
+            producer = self.chain.stages[i - 1].running(state.options[i - 1] if state.options else None)
             memory -= producer.saved_bytes - producer.own_saved_bytes
         if i > 0 and state.standalone & bit:
             standalone, checkpoint = state.standalone & ~bit, state.checkpoint & ~bit
@@ -112,7 +121,7 @@ class ChainSimulator:
             standalone, checkpoint = state.standalone, state.checkpoint
             memory += self.act[i]
         return ChainState(standalone=standalone, checkpoint=checkpoint, abar=state.abar, grad=state.grad | bit,
-                          done=state.done | bit, memory=memory)
+                          done=state.done | bit, memory=memory, options=state.options)
 
     def check_complete(self, state: ChainState) -> None:
         """Raise :class:`~planner.simulate.replay.ScheduleError` unless the loss and every backward have run."""

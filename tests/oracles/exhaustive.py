@@ -11,10 +11,13 @@ from planner.ops import Op
 from planner.simulate.chain import ChainSimulator
 
 
-def _moves(length: int):
-    for i in range(length):
+def _moves(chain):
+    """Every operation on ``chain``: each F_all also with each of its stage's options."""
+    for i, stage in enumerate(chain.stages):
         for kind in ("F_all", "F_ck", "F_none", "B"):
             yield Op(kind, i)
+        for option in range(len(stage.options)):
+            yield Op("F_all", i, option=option)
     yield Op("Loss")
 
 
@@ -26,7 +29,7 @@ def _cheapest_completion(chain, start_cost, extend):
     """
     simulator = ChainSimulator(chain)
     start = simulator.initial_state()
-    moves = list(_moves(chain.length))
+    moves = list(_moves(chain))
     best = {start: start_cost}
     counter = itertools.count()
     queue = [(start_cost, next(counter), start)]
