@@ -26,21 +26,23 @@ from planner.units import sum_seconds
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
                  "bwd_tmp_bytes", "param_bytes", "own_saved_bytes", "options")
-_OPTION_FIELDS = ("keep", "fwd_time", "bwd_time", "saved_bytes", "own_saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes")
+_OPTION_FIELDS = ("recompute", "fwd_time", "bwd_time", "saved_bytes", "own_saved_bytes", "fwd_tmp_bytes",
+                  "bwd_tmp_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes", "saved_bytes")
 
 
 @dataclass(frozen=True)
 class StageOption:
-    """Another way to run a stage's forward with autograd: keep only the results of the forward operations
-    ``keep`` (their positions among the operations a selective-checkpoint policy is asked about, in forward
-    order) and recompute the rest at the backward. Its fields replace the stage's own for ``F_all`` and ``B``
+    """Another way to run a stage's forward with autograd: drop the values of the forward operations at
+    positions ``recompute`` (of the stage's graph's operations, in graph order: planner/execute/selective.py)
+    once the forward is done, and recompute them when its backward first reads one; everything else autograd
+    saves is kept. Its fields replace the stage's own for ``F_all`` and ``B``
     (the output is still made and held; ``saved_bytes`` includes it): ``fwd_time`` and ``fwd_tmp_bytes`` of that
     forward, ``saved_bytes`` / ``own_saved_bytes`` what it keeps for its backward, ``bwd_time`` and
     ``bwd_tmp_bytes`` of the backward, the recomputation included. Measured by profiles/options.py."""
 
-    keep: tuple
+    recompute: tuple
     fwd_time: float
     bwd_time: float
     saved_bytes: int
@@ -49,7 +51,8 @@ class StageOption:
     bwd_tmp_bytes: int = 0
 
     def to_dict(self) -> dict:
-        return {field: list(self.keep) if field == "keep" else getattr(self, field) for field in _OPTION_FIELDS}
+        return {field: list(self.recompute) if field == "recompute" else getattr(self, field)
+                for field in _OPTION_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,13 @@ class Stage:
                   and (f != "options" or self.options)]
         return {field: [option.to_dict() for option in self.options] if field == "options" else getattr(self, field)
                 for field in fields}
+
+    def running_option(self, option: int) -> StageOption:
+        """Option ``option`` of this stage; one it lacks raises :class:`MemschedError` in one line."""
+        if isinstance(option, bool) or not isinstance(option, int) or not 0 <= option < len(self.options):
+            raise MemschedError(f"stage {self.name!r} has {len(self.options)} options; option {option} is not one "
+                                "(the plan is for another chain: solve again)")
+        return self.options[option]
 
     def running(self, option) -> "Stage":
         """This stage as ``F_all`` with ``option`` (an index into :attr:`options`; None: itself) runs it, and the
@@ -238,12 +248,12 @@ def _options_from_list(raw, where: str, out_bytes: int) -> tuple:
         if not isinstance(item, dict):
             raise MemschedError(f"{here} must be an object with fields {', '.join(_OPTION_FIELDS)}")
         validate.reject_unknown(item, _OPTION_FIELDS, here)
-        keep = validate.require(item, "keep", here)
-        if not isinstance(keep, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in keep) \
-                or keep != sorted(set(keep)):
-            raise MemschedError(f"{here}.keep must be a list of distinct operation positions (integers >= 0) in "
-                                f"increasing order, got {keep!r}")
-        values = {"keep": tuple(keep)}
+        positions = validate.require(item, "recompute", here)
+        if not isinstance(positions, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 0
+                                                  for p in positions) or positions != sorted(set(positions)):
+            raise MemschedError(f"{here}.recompute must be a list of distinct operation positions (integers >= 0) "
+                                f"in increasing order, got {positions!r}")
+        values = {"recompute": tuple(positions)}
         for field in ("fwd_time", "bwd_time"):
             values[field] = validate.non_negative_seconds(validate.require(item, field, here), f"{here}.{field}")
         for field in ("saved_bytes", "own_saved_bytes"):

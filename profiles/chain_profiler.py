@@ -25,11 +25,12 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.chain import Chain, Loss, Stage
+from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.execute.autograd import accumulate_grads
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.records import measured_on, shared_parameters
+from planner.execute.selective import forward_nodes, run_with_option
 from planner.execute.stages import (
     StagedModel,
     checked_device,
@@ -39,6 +40,7 @@ from planner.execute.stages import (
     quiet_fake_tensor_log,
 )
 from profiles.memory import memory_meter, storage_bytes, storages
+from profiles.options import candidate_recomputes, pareto_front, structure
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -109,7 +111,7 @@ def _fake_tree(mode, tree):
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
-                  estimate=False, throughput=None, progress=None, transfer=None) -> Chain:
+                  estimate=False, throughput=None, progress=None, transfer=None, options=0) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
@@ -117,6 +119,8 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     is called before each stage (k = L for the loss). The chain's copy channel
     is ``transfer`` (a :class:`planner.transfer.Transfer`) when given, else the
     one measured on CUDA (:mod:`profiles.transfer_profiler`), else none.
+    ``options`` candidates per distinct stage are measured as its options
+    (:mod:`profiles.options`; 0: none).
     """
     pairs = named_stages(stages)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -139,14 +143,18 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             for parameter in _module_parameters(module):
                 parameter.grad = None
         resident = _tensors(inputs)
-        profiled, owned = [], _parameter_owners(modules)
+        profiled, owned, known = [], _parameter_owners(modules), {}
         activation = first
         for k, (stage_name, module) in enumerate(pairs):
             if progress:
                 progress(k, stage_name)
             last_input = activation
+            input_bytes = storage_bytes(_tensors(activation))
             stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
-                                             input_bytes=storage_bytes(_tensors(activation)))
+                                             input_bytes=input_bytes)
+            if options:
+                stage = runner.with_options(k, stage_name, module, stage, last_input, extra, options, known,
+                                            input_bytes)
             profiled.append(stage)
         if progress:
             progress(len(pairs), "loss")
@@ -245,6 +253,57 @@ class _Runner:
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
 
+    def with_options(self, k, stage_name, module, stage, activation, extra, count, known, input_bytes) -> Stage:
+        """``stage`` with its options (profiles/options.py), measured here or taken from an identical stage in
+        ``known`` (fingerprint -> options); a stage whose graph cannot be had (torch.export fails) gets none."""
+        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        stage_input = _fresh_input(activation, needs_grad)
+        try:
+            nodes = forward_nodes(module, (stage_input, *extra), self.throughput if self.fake else None)
+        except MemschedError:
+            raise
+        except Exception:  # noqa: BLE001 (any export failure: the stage runs whole, as rotor runs it)
+            return stage
+        del stage_input
+        fingerprint = structure(nodes, module)
+        if fingerprint not in known:  # as extra seconds over the stage's: an identical one adds them to its own
+            known[fingerprint] = [self.option(k, stage_name, module, positions, activation, extra, input_bytes)
+                                  for positions in candidate_recomputes(nodes, count)]
+        options = [dataclasses.replace(o, fwd_time=stage.fwd_time + o.fwd_time, bwd_time=stage.bwd_time + o.bwd_time)
+                   for o in known[fingerprint]]
+        return dataclasses.replace(stage, options=pareto_front(stage, options))
+
+    def option(self, k, stage_name, module, recompute, activation, extra, input_bytes) -> StageOption:
+        """Measure stage ``k`` run recomputing the operations at positions ``recompute``
+        (as the executor runs it). Its seconds are those an option run takes beyond a plain one, the two timed
+        in turn (the median difference, at least 0: on a busy machine two separate medians differ by more than
+        a few recomputed operations cost); :meth:`with_options` adds the stage's own."""
+        def call(stage_input):
+            return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra))
+
+        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        with self._meter() as meter:
+            stage_input = _fresh_input(activation, needs_grad)
+            start = meter.current
+            output = call(stage_input)
+            forward_peak, kept = meter.peak - start, meter.current - start  # what autograd keeps, the output
+            outputs = _tensors(output)
+            out_bytes = storage_bytes(outputs)
+            gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
+            meter.reset_peak()
+            start = meter.current
+            _backward(outputs, stage_input, module)
+            backward_peak = meter.peak - start - gradient_bytes
+            del output, outputs, stage_input
+        for parameter in _module_parameters(module):
+            parameter.grad = None
+        extra_fwd, extra_bwd = self._extra_times(_guarded(k, stage_name, module, extra), call, activation, needs_grad,
+                                                 module)
+        saved = max(kept, out_bytes)
+        return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
+                           own_saved_bytes=saved - out_bytes, fwd_tmp_bytes=max(0, forward_peak - saved),
+                           bwd_tmp_bytes=max(0, backward_peak - input_bytes))
+
     def loss(self, loss_fn, last_stage, last_input, needs_grad, activation, gradient_bytes) -> Loss:
         """Profile the loss and its backward: transient bytes above ``δ_L``, what its forward leaves, and seconds.
 
@@ -298,6 +357,24 @@ class _Runner:
                 forward.append(fwd)
                 backward.append(bwd)
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
+
+    def _extra_times(self, plain, option, activation, needs_grad, module) -> tuple:
+        """``(forward, backward)``: the median seconds ``option`` takes beyond ``plain``, each at least 0."""
+        forward, backward = [], []
+        for run in range(self.warmup + self.repeats):
+            times = []
+            for call in (plain, option):
+                stage_input = _fresh_input(activation, needs_grad)
+                holder = {}
+                fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))  # noqa: B023
+                outputs = _tensors(holder.pop("output"))
+                times.append((fwd, self._flops_or_time(lambda: _backward(outputs, stage_input, module))))  # noqa: B023
+                for parameter in _module_parameters(module):
+                    parameter.grad = None
+            if run >= self.warmup:
+                forward.append(times[1][0] - times[0][0])
+                backward.append(times[1][1] - times[0][1])
+        return max(0.0, statistics.median(forward)), max(0.0, statistics.median(backward))
 
     def _backward_call_cost(self) -> float:
         """Seconds one measured backward spends starting autograd on a trivial graph, which a stage's backward
@@ -419,17 +496,18 @@ def _fresh_input(activation, needs_grad):
 
 
 def _guarded(k, stage_name, module, extra):
-    def call(stage_input):
-        try:
-            return module(stage_input, *extra)
-        except MemschedError:
-            raise
-        except Exception as exc:  # a user's stage failing is an expected error: name it
-            message = " ".join(str(exc).split())
-            raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: "
-                                f"{type(exc).__name__}: {message}") from None
+    return lambda stage_input: _guarded_run(k, stage_name, lambda: module(stage_input, *extra))
 
-    return call
+
+def _guarded_run(k, stage_name, run):
+    try:
+        return run()
+    except MemschedError:
+        raise
+    except Exception as exc:  # a user's stage failing is an expected error: name it
+        message = " ".join(str(exc).split())
+        raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: "
+                            f"{type(exc).__name__}: {message}") from None
 
 
 def _guarded_loss(run):

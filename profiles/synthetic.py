@@ -65,8 +65,8 @@ def _random_options(rng, stage: Stage, most: int) -> tuple:
         saved = stage.out_bytes + int(inner * fraction)
         unread = stage.saved_bytes - stage.own_saved_bytes  # the output, or part of it, read by nothing later
         chosen.append(StageOption(
-            keep=(k,), fwd_time=stage.fwd_time, bwd_time=float(round(stage.bwd_time + stage.fwd_time * (1 - fraction)
-                                                                      * rng.uniform(0.5, 1.0), 6)),
+            recompute=(k,), fwd_time=stage.fwd_time,
+            bwd_time=float(round(stage.bwd_time + stage.fwd_time * (1 - fraction) * rng.uniform(0.5, 1.0), 6)),
             saved_bytes=saved, own_saved_bytes=saved - min(unread, stage.out_bytes),
             fwd_tmp_bytes=int(stage.fwd_tmp_bytes * rng.uniform(0.5, 1.0)),
             bwd_tmp_bytes=stage.bwd_tmp_bytes + int(inner * (1 - fraction) * rng.uniform(0.0, 1.0))))

@@ -1,10 +1,10 @@
-"""Tied weights and parameters without a gradient on the graph path (capture, profile, solve, executor, policy).
+"""Tied weights and parameters without a gradient on the graph path (capture, profile, solve, executor).
 
 The model is tests/fixtures/tied_lm.py: a token embedding whose weight is also the output head's, given to the
 CLI as a ``path/to/file.py:build`` SPEC. Its graph is profiled and solved once through the CLI
 (``memsched profile --graph --estimate``: sizes exact, times from FLOPs, so Checkmate's plan is the same on
-every run), then run by the graph executor, by ``memsched train --graph`` and under the selective-checkpoint
-policy, at the default thread count and at one thread, each against the plain eager step.
+every run), then run by the graph executor and by ``memsched train --graph``, at the default thread count and at one
+thread, each against the plain eager step.
 
 Memory is counted as in tests/test_execute_graph.py: the tracker counts what the step allocates (gradients
 ``None`` before), and the parameters, buffers, inputs and targets are the graph's ``fixed_bytes``.
@@ -20,16 +20,13 @@ from torch.testing import assert_close
 import cli
 from planner.execute.graph import GraphExecutor
 from planner.execute.live_memory import LiveMemoryTracker
-from planner.execute.selective import checkpointed_model, is_save_plan, selective_policy
 from planner.graph import load_graph
 from planner.plan import load_plan
 from profiles.graph_profiler import profile_graph
-from profiles.reference_step import measured_peak
 from profiles.spec import load_model
 from solvers import solve_graph, store_all_graph_peak
 from test_cli_graph_train import measured_ratios
 from test_cli_train import run
-from test_execute_selective import MAX_RATIO
 
 SPEC = str(Path(__file__).parent / "fixtures" / "tied_lm.py") + ":build"
 NODES = 30
@@ -102,7 +99,7 @@ def test_a_tied_weight_is_one_parameter_with_one_gradient(solved, executor):
     readers = [node for node in graph.nodes if TIED[0] in node.params and not node.backward]
     assert len(readers) >= 2  # the embedding lookup and the logits
     assert sorted(run_by_plan.joint.param_grads.values()) == sorted(f"stages.{name}" for name in names)
-    assert plan.recomputed_forwards > 0 and is_save_plan(plan, graph)
+    assert plan.recomputed_forwards > 0
 
 
 def test_graph_executor_runs_the_plain_step_at_the_predicted_peak(solved, executor, threads):
@@ -129,39 +126,6 @@ def test_train_graph_follows_the_plan(solved, threads, capsys):
     ratios = measured_ratios(out)
     print(f"memsched train --graph, {threads} threads: measured/predicted {ratios}")
     assert len(ratios) == 1 and abs(ratios[0] - 1) <= 0.01, out
-
-
-@pytest.fixture(scope="module")
-def policy(solved):
-    _, _, graph, plan = solved
-    model = build()
-    selective = selective_policy(plan, graph, model)
-    return model, selective, checkpointed_model(model, selective)
-
-
-def test_selective_policy_runs_the_plain_step(solved, policy, threads):
-    """At the policy's own predicted peak; it is not the plan's (``checkpoint`` keeps each stage's input, and the
-    head's output, the logits, is the loss region's: tests/test_execute_selective.py)."""
-    _, _, graph, plan = solved
-    model, selective, wrapped = policy
-    clear_grads(model)
-    with LiveMemoryTracker() as tracker:
-        activation = wrapped.example_inputs[0]
-        for _, module in wrapped.stages:
-            activation = module(activation)
-        loss = wrapped.loss_fn(activation)
-        del activation
-        loss.backward()
-    measured, predicted = tracker.peak + graph.fixed_bytes, plan.predicted.peak_bytes
-    as_run = selective.predicted_peak_bytes
-    inputs = sum(t.untyped_storage().nbytes() for t in model.example_inputs)
-    eager = measured_peak(build()) - inputs + graph.fixed_bytes
-    print(f"selective policy, {threads} threads: measured {measured} B, the policy's prediction {as_run} B "
-          f"({measured / as_run:.4f}), the plan's {predicted} B ({measured / predicted:.4f}), plain step {eager} B, "
-          f"graph store-all {store_all_graph_peak(graph)} B")
-    assert_plain_grads(model, f"selective policy, {threads} threads")
-    assert abs(measured / as_run - 1) <= 0.01
-    assert measured < eager and measured <= MAX_RATIO * predicted
 
 
 class SharedThrice(nn.Module):

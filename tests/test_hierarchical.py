@@ -49,7 +49,7 @@ def _options_help(chain: Chain) -> Chain:
     stages = tuple(Stage(**{**{f: getattr(s, f) for f in (
         "name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes", "param_bytes",
         "nograd_tmp_bytes", "own_saved_bytes")}, "options": (StageOption(
-            keep=(), fwd_time=s.fwd_time, bwd_time=s.bwd_time + s.fwd_time, saved_bytes=s.out_bytes,
+            recompute=(), fwd_time=s.fwd_time, bwd_time=s.bwd_time + s.fwd_time, saved_bytes=s.out_bytes,
             own_saved_bytes=0, fwd_tmp_bytes=s.fwd_tmp_bytes, bwd_tmp_bytes=s.bwd_tmp_bytes + s.saved_bytes),)})
         for s in chain.stages)
     return Chain(name=chain.name, device=chain.device, input_bytes=chain.input_bytes, stages=stages, loss=chain.loss)
@@ -117,7 +117,7 @@ def test_options_round_trip_and_old_chains_keep_their_fingerprints(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda o: {**o, "keep": [3, 1]}, "keep must be a list of distinct operation positions"),
+    (lambda o: {**o, "recompute": [3, 1]}, "recompute must be a list of distinct operation positions"),
     (lambda o: {**o, "saved_bytes": 0}, "is below the stage's out_bytes"),
     (lambda o: {**o, "own_saved_bytes": o["saved_bytes"] + 1}, "own_saved_bytes"),
     (lambda o: {**o, "colour": 1}, "colour"),

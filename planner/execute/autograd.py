@@ -149,7 +149,6 @@ def autocast_as(state):
         yield
 
 
-@contextlib.contextmanager
 def running_statistics_kept(module):
     """Run with throw-away copies of the running statistics of normalisation layers in training mode, and of
     the buffers a module lists as ``memsched_written_buffers`` (``(owner module, buffer name)`` pairs its forward
@@ -158,16 +157,29 @@ def running_statistics_kept(module):
     A recomputed forward must not update them a second time; copying the originals back afterwards would
     bump their version counters, which autograd checks, so the originals are swapped out instead.
     """
-    swapped = []
+    return swapped_in(spare_statistics(module))
+
+
+def spare_statistics(module) -> list:
+    """``[(owner, {name: copy})]``: copies, made now, of the buffers :func:`running_statistics_kept` swaps out."""
+    spare = []
     for owner, names in _written_buffers(module):
-        originals = {name: owner._buffers[name] for name in names if owner._buffers.get(name) is not None}
-        owner._buffers.update({name: buffer.clone() for name, buffer in originals.items()})
-        swapped.append((owner, originals))
+        spare.append((owner, {name: owner._buffers[name].clone() for name in names
+                              if owner._buffers.get(name) is not None}))
+    return spare
+
+
+@contextlib.contextmanager
+def swapped_in(spare):
+    """Run with the copies of :func:`spare_statistics` in place of the originals, put back afterwards."""
+    originals = [(owner, {name: owner._buffers[name] for name in copies}) for owner, copies in spare]
+    for owner, copies in spare:
+        owner._buffers.update(copies)
     try:
         yield
     finally:
-        for owner, originals in swapped:
-            owner._buffers.update(originals)
+        for owner, buffers in originals:
+            owner._buffers.update(buffers)
 
 
 def _written_buffers(module) -> list:

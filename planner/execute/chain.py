@@ -21,12 +21,13 @@ from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import named_stages
 from planner.execute.steprun import StepRun
 from planner.measured_on import record_of
-from planner.ops import FORWARD_OPS, TRANSFER_OPS, planned_stages
+from planner.ops import FORWARD_OPS, TRANSFER_OPS, chosen_options, planned_stages
 from planner.plan import Plan, check_plan_matches
 from planner.simulate import check_schedule
 
 
-def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan") -> "PlannedChain":
+def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
+                   recomputes=None) -> "PlannedChain":
     """A module running ``stages`` by the chain ``schedule`` (its stage count and the simulator's rules checked
     first, nothing run).
 
@@ -35,12 +36,21 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     model's ``B`` counts them. A fused graph makes all its stages' gradients first, which costs nothing more
     when ``.grad`` is empty (they become it) but holds them beside ``.grad`` when gradients accumulate over
     several backwards (a pipeline's micro-batches). Schedules with transfers always fuse as their executor
-    decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them.
+    decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them. ``recomputes``: for each stage
+    whose ``F_all`` runs with an option, the option's ``recompute`` positions (:class:`planner.chain.StageOption`).
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
     check_schedule(schedule, planned)  # the simulator's rules, before anything runs
-    return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source)
+    recomputes = dict(recomputes or {})
+    missing = sorted(set(chosen_options(schedule)) - set(recomputes))
+    if missing:
+        raise MemschedError(f"the schedule runs stage {missing[0]} with one of its options, whose kept results "
+                            "only its chain knows; apply the plan with its chain (--chain)")
+    if recomputes and any(op.kind in TRANSFER_OPS for op in schedule):
+        raise MemschedError("a schedule with transfers runs every stage whole: stage options and offloading "
+                            "do not mix; solve with --solver hierarchical or an offload solver, not both")
+    return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source, recomputes)
 
 
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedChain":
@@ -70,7 +80,9 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedCha
     measured, source = record_of(chain, plan)
     if measured is not None:
         measured.check_stages(stage_specs(pairs), source)
-    return apply_schedule(pairs, plan.schedule, fuse, measured, source)
+    recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
+                                        for stage, option in chosen_options(plan.schedule).items()}
+    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes)
 
 
 def _stage_count(schedule, pairs) -> int:
@@ -90,8 +102,9 @@ class PlannedChain(torch.nn.Module):
     earlier schedule put there and this one does not back on their device (planner/execute/host_weights.py).
     """
 
-    def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan"):
+    def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None):
         super().__init__()
+        self.recomputes = dict(recomputes or {})  # stage -> what its F_all recomputes (planner/execute/selective.py)
         self.unchecked_inputs = None if measured_on is None else (measured_on, source)
         self.stage_names = [name for name, _ in pairs]
         self.stages = torch.nn.ModuleList([module for _, module in pairs])

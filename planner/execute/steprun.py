@@ -8,6 +8,7 @@ every reference the loop drops is dropped at one place for all variants.
 """
 
 import contextlib
+import functools
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -27,6 +28,7 @@ from planner.execute.autograd import (
     running_statistics_kept,
     set_rng_state,
 )
+from planner.execute.selective import run_with_option
 from planner.ops import TRANSFER_OPS
 
 
@@ -119,7 +121,7 @@ class StepRun:
             del source
             extra = fresh_leaf(self.extra, requires_grad=True) if any_requires_grad(self.extra) else self.extra
             with self.saving(i):
-                output = self._call(i, module, leaf, *extra)
+                output = self._call(i, module, leaf, *extra, forward_all=True)
             self.graphs[i] = StageGraph(leaf, extra, output, (i,))
             self.keep_output(i, output, position)
             del output
@@ -137,7 +139,7 @@ class StepRun:
         """``F_all i`` on the output of stage i-1's graph itself, extending that graph to stage i."""
         graph = self.graphs.pop(i - 1)
         with self.saving(i):
-            output = self._call(i, self.planned.modules_in_order[i], graph.output, *graph.extra)
+            output = self._call(i, self.planned.modules_in_order[i], graph.output, *graph.extra, forward_all=True)
         graph.extend(i, output)
         self.graphs[i] = graph
         self.keep_output(i, output, position)
@@ -167,17 +169,21 @@ class StepRun:
         if i > 0:
             self.acts.pop(i, None)
 
-    def _call(self, i, module, *args):
-        """``module(*args)`` for stage i. Its first forward records the random state (when the plan recomputes
-        it); a recomputation replays that state and the autocast state, and keeps running statistics."""
+    def _call(self, i, module, *args, forward_all=False):
+        """``module(*args)`` for stage i, an ``F_all`` with an option recomputing that option's operations at
+        its backward (planner/execute/selective.py). Its first forward records the random state (when the plan
+        recomputes it); a recomputation replays that state and the autocast state, and keeps running
+        statistics."""
+        recompute = self.planned.recomputes.get(i) if forward_all else None
+        call = module if recompute is None else functools.partial(run_with_option, module, recompute)
         if i not in self.forwarded:
             self.forwarded.add(i)
             if i in self.planned.recomputed:
                 self.rng[i] = rng_state()
-            return self.pass_on(module(*args), args)
+            return self.pass_on(call(*args), args)
         with torch.random.fork_rng(devices=rng_devices()), autocast_as(self.autocast), running_statistics_kept(module):
             set_rng_state(self.rng[i])
-            return self.pass_on(module(*args), args)
+            return self.pass_on(call(*args), args)
 
     # -- Hooks: what a variant (planner/execute/offload.py) overrides (docs/execution.md has the table).
 

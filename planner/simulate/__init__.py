@@ -23,7 +23,7 @@ from planner.transfer import Transfer
 __all__ = ["simulate", "check_schedule", "check_plan_schedules"]
 
 _NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
-_NO_OPTION = StageOption(keep=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0, own_saved_bytes=0)
+_NO_OPTION = StageOption(recompute=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0, own_saved_bytes=0)
 
 
 def simulate(problem, plan_or_schedule, transfer: Transfer = None):

@@ -1,0 +1,110 @@
+"""Stage options: ways to run a stage's forward that drop some of the values autograd saves and recompute them.
+
+:func:`candidate_recomputes` proposes which operations to recompute from the stage's graph as
+:func:`planner.execute.selective.forward_nodes` measures it: for every value autograd saves that may be
+recomputed, its *closure*, the operations back to values held anyway (saved ones, the stage's inputs and
+parameters), each closure scored by the saved bytes it frees less the bytes it must hold instead, per second
+of recomputation; then ``count`` prefixes of the best-first order, spread evenly over the bytes they free.
+The chain profiler measures each candidate as it measures a stage (run by
+:func:`planner.execute.selective.run_with_option`: memory from one run under the meter, seconds from separate
+runs) and :func:`pareto_front` keeps those that no other way of running the stage, the stage itself included,
+matches or beats on every count. Identical blocks (same :func:`structure`) are measured once.
+docs/execution.md, "Stage options".
+"""
+
+import hashlib
+
+from planner.chain import Stage, StageOption
+
+DEFAULT_OPTIONS = 6  # candidates measured per distinct stage by `memsched profile` (0: none)
+
+
+def structure(nodes, module) -> str:
+    """A fingerprint of the stage's forward: its operations, their bytes and inputs, its parameters' shapes; two
+    stages with the same one get the same options."""
+    parts = [f"{n.name}:{n.bytes}:{n.saved}:{n.inputs}" for n in nodes]
+    if hasattr(module, "named_parameters"):
+        parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def candidate_recomputes(nodes, count: int) -> list:
+    """Up to ``count`` distinct ``recompute`` tuples (sorted positions), as the module docstring says."""
+    if count < 1:
+        return []
+    by_position = {node.position: node for node in nodes}
+    items = {}  # a tuple-valued operation -> the getitem nodes reading it
+    for node in nodes:
+        for d in node.inputs:
+            if by_position[d].several:
+                items.setdefault(d, []).append(node.position)
+
+    def holding(position) -> int:
+        """Bytes that keeping this value for a recomputation costs beyond what the plain forward keeps."""
+        node = by_position[position]
+        if node.saved:
+            return 0
+        if node.bytes:
+            return node.bytes
+        if node.several:  # a tuple holds every item
+            return sum(holding(item) for item in items.get(position, ()))
+        return max((holding(d) for d in node.inputs), default=0)  # a view: its base's
+
+    units = []
+    for node in nodes:
+        if not (node.saved and node.recomputable and node.bytes):
+            continue
+        closure, stack = set(), [node.position]
+        while stack:
+            position = stack.pop()
+            if position in closure:
+                continue
+            closure.add(position)
+            stack.extend(d for d in by_position[position].inputs
+                         if by_position[d].recomputable and holding(d) and d not in closure)
+        frontier = {d for p in closure for d in by_position[p].inputs if d not in closure}
+        freed = sum(by_position[p].bytes for p in closure if by_position[p].saved)
+        gain = freed - sum(holding(d) for d in frontier)
+        seconds = sum(by_position[p].seconds for p in closure)
+        if gain > 0:
+            units.append((gain / max(seconds, 1e-12), freed, closure))
+    units.sort(key=lambda unit: (-unit[0], min(unit[2])))
+    prefixes, total, union = [], 0, set()
+    for _, freed, closure in units:
+        if closure - union:
+            union |= closure
+            total += freed
+            prefixes.append((total, tuple(sorted(union))))
+    if not prefixes:
+        return []
+    chosen = []
+    for step in range(1, count + 1):
+        target = total * step / count
+        best = min(prefixes, key=lambda prefix: (abs(prefix[0] - target), len(prefix[1])))[1]
+        if best not in chosen:
+            chosen.append(best)
+    return chosen
+
+
+def pareto_front(stage: Stage, options) -> tuple:
+    """The ``options`` (:class:`StageOption`) that neither another option nor the stage itself matches or beats
+    on saved bytes, forward and backward seconds together, and each peak; by saved bytes, most first."""
+    itself = StageOption(recompute=(), fwd_time=stage.fwd_time, bwd_time=stage.bwd_time,
+                         saved_bytes=stage.saved_bytes, own_saved_bytes=stage.own_saved_bytes,
+                         fwd_tmp_bytes=stage.fwd_tmp_bytes, bwd_tmp_bytes=stage.bwd_tmp_bytes)
+
+    def counts(option):
+        return (option.saved_bytes, option.fwd_time + option.bwd_time, option.saved_bytes + option.fwd_tmp_bytes,
+                option.own_saved_bytes + option.bwd_tmp_bytes)
+
+    def no_worse(a, b):
+        return all(x <= y for x, y in zip(counts(a), counts(b)))
+
+    def dropped(k, option):
+        if no_worse(itself, option):
+            return True
+        return any(no_worse(other, option) and (counts(other) != counts(option) or j < k)
+                   for j, other in enumerate(options) if j != k)
+
+    kept = [option for k, option in enumerate(options) if not dropped(k, option)]
+    return tuple(sorted(kept, key=lambda option: (-option.saved_bytes, option.recompute)))
