@@ -22,6 +22,7 @@ from planner.plot import plot_pareto, plot_timeline
 from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, parameters_of
 from planner.transfer import Transfer
 from planner.units import parse_bandwidth, parse_budget
+from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
 from solvers.budgets import chain_budget, device_budget_report, solve_within, solved_lines, sweep
 from solvers.partition import partition
@@ -193,6 +194,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="untimed runs per stage (default: 2)")
     profile.add_argument("--repeats", type=_at_least(1, MAX_RUNS), default=5, metavar="N",
                          help="timed runs per stage, median kept (default: 5)")
+    profile.add_argument("--options", type=_at_least(0, MAX_RUNS), default=DEFAULT_OPTIONS, metavar="N",
+                         help=f"ways to run each distinct stage keeping less, measured (default: {DEFAULT_OPTIONS})")
 
     train = commands.add_parser("train", help="train a model by a plan, measured against the prediction",
                                 description="Profile (unless --chain), solve (unless --plan), and train a model by the "
@@ -215,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
                                   "(default: the chain's)")
     train.add_argument("--offload-weights", metavar="all|I,J,...",
                        help="keep these stages' parameters on the host (as for solve)")
+    train.add_argument("--compile", action="store_true", help="run the plan (and the plain step) through torch.compile")
     train.add_argument("--steps", type=_at_least(1, MAX_RUNS), default=5, metavar="N",
                        help="training steps (default: 5)")
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
@@ -343,7 +347,7 @@ def _profile(args) -> None:
     try:
         chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
                               warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
-                              throughput=args.throughput, progress=bar, transfer=channel)
+                              throughput=args.throughput, progress=bar, transfer=channel, options=args.options)
     except BaseException:  # an error or Ctrl-C mid-bar
         bar.end()
         raise
@@ -360,6 +364,8 @@ def _train(args) -> None:
     if args.progress_timeout is not None and (args.graph or not args.plan):
         raise MemschedError("--progress-timeout bounds a pipeline run: give it with --plan pipeline.json")
     model, _ = load_model(args.spec, batch=args.batch)
+    if args.compile and (args.graph or (args.plan and load_plan(args.plan).kind == "pipeline")):
+        raise MemschedError("--compile runs chain plans: drop it with --graph or a pipeline plan")
     if args.graph:
         _train_graph(args, model)
         return
@@ -395,7 +401,7 @@ def _train(args) -> None:
         budget, how = _chain_budget(args, chain)
         plan = solvers.solve(chain, budget, args.solver, **_offload_params(args, chain, args.solver))
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
-    comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr)
+    comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile)
     print("\n".join(render.training_table(plan, comparison)))
 
 
@@ -417,20 +423,11 @@ def _demo(args) -> None:
 
 
 def _profiled(model, device, nodes: int = None, **options):
-    """``model`` profiled on ``device`` into a chain, or with ``nodes`` (and ``options`` for :func:`profile_graph`)
-    its training step into a graph of at most that many nodes, saying so on stderr."""
-    if nodes is None:
-        from profiles.chain_profiler import profile_chain
+    """``model`` profiled for a command that was given no profile (profiles/training.py), saying so on stderr."""
+    from profiles.training import profiled_for_training
 
-        print("\n".join([*model.report, f"profiling {model.name} on {device} ({len(model.stages)} stages)..."]),
-              file=sys.stderr, flush=True)
-        return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device, name=model.name)
-    from profiles.graph_profiler import profile_graph
-
-    print(f"capturing and profiling {model.name}'s training step as a graph of at most {nodes} nodes...",
-          file=sys.stderr, flush=True)
-    return profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=nodes, device=device,
-                         name=model.name, **options)
+    return profiled_for_training(model, device, nodes, lambda line: print(line, file=sys.stderr, flush=True),
+                                 **options)
 
 
 def _train_graph(args, model) -> None:

@@ -17,24 +17,27 @@ from planner.execute.chain import apply_plan
 from planner.units import parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.discover import discover, returned_loss
+from profiles.options import DEFAULT_OPTIONS
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
-        **options) -> "FittedModel":
+        stage_options: int = DEFAULT_OPTIONS, compile: bool = False, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
     is called). ``budget``: bytes (an int), a string with a unit (``"6GiB"``) or a percentage of the store-all
     peak (``"50%"``); a budget below the least feasible one fails in one line saying what that is.
     ``loss_fn(output)``: the scalar loss (default: ``output.loss`` when the model returns one, else the mean of
-    its output). ``solver``: as for ``memsched solve`` (``auto``: store everything when it fits, else rotor);
-    ``options`` go to it. A batch of other shapes, dtypes or arguments is refused in one line, or planned for
-    anew with ``replan=True`` (the plans kept per layout). ``warmup`` and ``repeats``: the profiler's runs per
-    stage; ``max_stages``: at most that many stages.
+    its output). ``solver``: as for ``memsched solve`` (``auto``: store everything when it fits, else the
+    hierarchical solver over the stages' options, or rotor without them); ``options`` go to it. A batch of
+    other shapes, dtypes or arguments is refused in one line, or planned for anew with ``replan=True`` (the
+    plans kept per layout). ``warmup`` and ``repeats``: the profiler's runs per stage; ``max_stages``: at most
+    that many stages; ``stage_options``: candidates measured per distinct stage (profiles/options.py; 0:
+    none); ``compile``: the plan runs through ``torch.compile`` (planner/execute/chain.py).
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
-                       warmup=warmup, repeats=repeats, options=options)
+                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, options=options)
 
 
 @dataclasses.dataclass
@@ -52,12 +55,13 @@ class FittedModel(torch.nn.Module):
     plan. Its parameters are the model's (``model`` is its submodule)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 options):
+                 stage_options, compile, options):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling
         self.model = model
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
-                              warmup=warmup, repeats=repeats, options=options)
+                              warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
+                              options=options)
         self.replan = replan
         self._plans = []
         self._current = self._planned(example_inputs)
@@ -69,12 +73,12 @@ class FittedModel(torch.nn.Module):
                              max_stages=s["max_stages"])
         staged = discovery.staged
         chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
-                              repeats=s["repeats"], name=staged.name)
+                              repeats=s["repeats"], name=staged.name, options=s["stage_options"])
         budget = _budget_bytes(s["budget"], chain)
         plan = solvers.solve(chain, budget, s["solver"], **s["options"])
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
-        planned = _Planned(discovery, chain, plan, apply_plan(staged.stages, plan, chain))
+        planned = _Planned(discovery, chain, plan, apply_plan(staged.stages, plan, chain, compile=s["compile"]))
         self._plans.append(planned)
         return planned
 

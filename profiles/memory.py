@@ -38,14 +38,47 @@ class CudaMemoryMeter:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def memory_meter(device):
-    """The meter that tells the truth on ``device``: the allocator's statistics on CUDA, the tracker elsewhere.
+class ProfilerMemoryMeter:
+    """CPU memory of code a dispatch-mode tracker cannot see into (``torch.compile``'s): the allocation and free
+    events ``torch.profiler`` records inside the window, added up in time order. ``peak`` (bytes above the
+    level at entry) is known once the window has closed; ``current`` is 0 at entry. On an eager step it equals
+    the live-memory tracker's peak (tests/test_compiled.py)."""
 
-    Both are context managers with ``current``, ``peak`` (bytes) and ``reset_peak()``. Compare levels taken
-    inside one window: the tracker counts from zero at entry, the CUDA meter from what was already allocated.
+    def __init__(self):
+        self.current = 0
+        self.peak = None
+        self._profile = None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        events = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+        level = peak = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            level += event.nbytes()  # negative for a free
+            peak = max(peak, level)
+        self.peak, self._profile = peak, None
+        return False
+
+
+def memory_meter(device, compiled: bool = False):
+    """The meter that tells the truth on ``device``: the allocator's statistics on CUDA, the tracker elsewhere,
+    or the profiler's events for ``compiled`` code on CPU (:class:`ProfilerMemoryMeter`).
+
+    All are context managers with ``current`` and ``peak`` (bytes; the profiler's peak once the window has
+    closed), the first two with ``reset_peak()``. Compare levels taken inside one window: the tracker counts
+    from zero at entry, the CUDA meter from what was already allocated.
     """
     device = torch.device(device)
-    return CudaMemoryMeter(device) if device.type == "cuda" else LiveMemoryTracker()
+    if device.type == "cuda":
+        return CudaMemoryMeter(device)
+    return ProfilerMemoryMeter() if compiled else LiveMemoryTracker()
 
 
 def storage_bytes(tensors, exclude=()) -> int:

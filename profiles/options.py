@@ -16,7 +16,7 @@ import hashlib
 
 from planner.chain import Stage, StageOption
 
-DEFAULT_OPTIONS = 6  # candidates measured per distinct stage by `memsched profile` (0: none)
+DEFAULT_OPTIONS = 4  # candidates measured per distinct stage by `memsched profile` (0: none)
 
 
 def structure(nodes, module) -> str:

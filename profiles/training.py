@@ -25,6 +25,7 @@ from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, sum
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from profiles.memory import memory_meter, storage_bytes
+from profiles.options import DEFAULT_OPTIONS
 from profiles.spec import built_model
 
 
@@ -55,13 +56,14 @@ def autograd_step(forward, loss_fn, inputs):
     return step
 
 
-def measure_steps(step, parameters, optimizer, steps: int, device, resident_bytes: int) -> list:
+def measure_steps(step, parameters, optimizer, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:
     """Run ``steps`` training steps, measuring each; ``step()`` runs forward, loss and backward, returns the loss.
 
     A peak is ``resident_bytes`` (what the prediction counts as already there: the inputs for a chain, the
     graph's ``fixed_bytes`` for a graph) plus what the step allocates. On CPU each step runs twice: once under
-    the live-memory tracker for its peak, whose dispatch hook would slow it, then once timed; the optimizer
-    steps on the timed run's gradients. On CUDA one run gives both.
+    the live-memory tracker for its peak (``compiled`` code: torch.profiler's memory events, which see inside
+    it), whose hooks would slow it, then once timed; the optimizer steps on the timed run's gradients. On CUDA
+    one run gives both.
     """
     device = torch.device(device)
 
@@ -72,13 +74,13 @@ def measure_steps(step, parameters, optimizer, steps: int, device, resident_byte
 
     measures = []
     for _ in range(steps):
-        with memory_meter(device) as meter:
+        with memory_meter(device, compiled) as meter:
             start = meter.current
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 started = time.perf_counter()
             loss = fresh_step()
-            peak = meter.peak - start
+        peak = meter.peak - start
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
@@ -92,14 +94,14 @@ def measure_steps(step, parameters, optimizer, steps: int, device, resident_byte
 
 
 def measure_alternately(planned_step, plain_step, parameters, optimizer, steps: int, device,
-                        resident_bytes: int) -> tuple:
+                        resident_bytes: int, compiled: bool = False) -> tuple:
     """``(planned, plain)``: ``steps`` measures of each (:class:`StepMeasure`), taken planned, plain, planned,
     plain, ... each as :func:`measure_steps` takes one (its peak in a window of its own, then its time), each
     followed by its optimizer step."""
     planned, plain = [], []
     for _ in range(steps):
-        planned += measure_steps(planned_step, parameters, optimizer, 1, device, resident_bytes)
-        plain += measure_steps(plain_step, parameters, optimizer, 1, device, resident_bytes)
+        planned += measure_steps(planned_step, parameters, optimizer, 1, device, resident_bytes, compiled)
+        plain += measure_steps(plain_step, parameters, optimizer, 1, device, resident_bytes, compiled)
     return planned, plain
 
 
@@ -116,7 +118,7 @@ def on_device(stages, inputs, device) -> tuple:
 
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
-                      lr: float = 1e-3) -> Comparison:
+                      lr: float = 1e-3, compiled: bool = False) -> Comparison:
     """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
     by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
     :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
@@ -124,24 +126,30 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     One Adam optimizer at ``lr`` updates the trainable parameters after every step; its state is created before
     the first measured step, as in steady state. ``resident_bytes`` is what the plan's prediction counts as
     already allocated (the inputs for a chain, ``fixed_bytes`` for a graph): both runs' peaks count it.
+    ``compiled``: the planned step runs compiled code, and so does the reference (each stage through
+    ``torch.compile``); both are measured by torch.profiler's memory events.
     """
     parameters = trainable_parameters(stages)
     optimizer = torch.optim.Adam(parameters, lr=lr)
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
-    plain_step = autograd_step(lambda *xs: run_stages(stages, xs), loss_fn or default_loss, inputs)
+    reference = [(name, torch.compile(module)) for name, module in stages] if compiled else stages
+    plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
     planned, plain = measure_alternately(planned_step, plain_step, parameters, optimizer, steps, device,
-                                         resident_bytes)
+                                         resident_bytes, compiled)
     return Comparison(planned=planned, plain=plain)
 
 
-def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:
+def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3,
+                     compile: bool = False) -> Comparison:
     """:func:`train_and_compare` for a chain ``plan`` run by :func:`planner.execute.chain.apply_plan` on
-    ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None)."""
+    ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None),
+    through ``torch.compile`` with ``compile``."""
     stages, inputs = on_device(model.stages, model.example_inputs, device)
-    step = autograd_step(apply_plan(stages, plan, chain), model.loss_fn or default_loss, inputs)
-    return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr)
+    step = autograd_step(apply_plan(stages, plan, chain, compile=compile), model.loss_fn or default_loss, inputs)
+    return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr,
+                             compiled=compile)
 
 
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:
@@ -164,6 +172,23 @@ def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float =
                            device=device, lr=lr, chain=chain, progress_timeout=timeout)
     return [f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
             f"{steps} steps on {device}"] + summary_lines(results)
+
+
+def profiled_for_training(model, device, nodes: int = None, say=print, **options):
+    """``model`` profiled on ``device`` into a chain (its stages' options measured: profiles/options.py), or with
+    ``nodes`` (and ``options`` for :func:`profiles.graph_profiler.profile_graph`) its training step into a graph
+    of at most that many nodes; ``say(line)`` tells what is being done."""
+    if nodes is None:
+        from profiles.chain_profiler import profile_chain
+
+        say("\n".join([*model.report, f"profiling {model.name} on {device} ({len(model.stages)} stages)..."]))
+        return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device,
+                             name=model.name, options=DEFAULT_OPTIONS)
+    from profiles.graph_profiler import profile_graph
+
+    say(f"capturing and profiling {model.name}'s training step as a graph of at most {nodes} nodes...")
+    return profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=nodes, device=device,
+                         name=model.name, **options)
 
 
 def check_measured_on(model, problem, source: str):

@@ -27,7 +27,7 @@ from planner.simulate import check_schedule
 
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
-                   recomputes=None) -> "PlannedChain":
+                   recomputes=None, compile: bool = False) -> "PlannedChain":
     """A module running ``stages`` by the chain ``schedule`` (its stage count and the simulator's rules checked
     first, nothing run).
 
@@ -38,6 +38,7 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     several backwards (a pipeline's micro-batches). Schedules with transfers always fuse as their executor
     decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them. ``recomputes``: for each stage
     whose ``F_all`` runs with an option, the option's ``recompute`` positions (:class:`planner.chain.StageOption`).
+    ``compile``: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`).
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
@@ -50,10 +51,12 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     if recomputes and any(op.kind in TRANSFER_OPS for op in schedule):
         raise MemschedError("a schedule with transfers runs every stage whole: stage options and offloading "
                             "do not mix; solve with --solver hierarchical or an offload solver, not both")
-    return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source, recomputes)
+    if compile and any(op.kind in TRANSFER_OPS for op in schedule):
+        raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
+    return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source, recomputes, compile)
 
 
-def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedChain":
+def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False) -> "PlannedChain":
     """:func:`apply_schedule` of ``plan``'s schedule, once the plan is checked: of kind chain, a channel recorded
     when it moves data; with ``chain``, its fingerprint and stage names.
 
@@ -82,7 +85,7 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True) -> "PlannedCha
         measured.check_stages(stage_specs(pairs), source)
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
-    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes)
+    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes, compile)
 
 
 def _stage_count(schedule, pairs) -> int:
@@ -100,10 +103,16 @@ class PlannedChain(torch.nn.Module):
     inputs of the first call with gradients must be its inputs (later calls are not checked: a last, smaller
     batch runs). Building it puts the parameters of the schedule's host-weight stages on the host, and those an
     earlier schedule put there and this one does not back on their device (planner/execute/host_weights.py).
+    With ``compile`` each stage call goes through ``torch.compile``, a stage run with an option through its
+    compiled graph (planner/execute/selective.py); the chain model's bytes are then those of the eager
+    operations, which compiled code fuses and frees otherwise: measure compiled steps (torch.profiler on CPU).
     """
 
-    def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None):
+    def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None,
+                 compile: bool = False):
         super().__init__()
+        self.compiled = compile
+        self._compiled_stages = {}
         self.recomputes = dict(recomputes or {})  # stage -> what its F_all recomputes (planner/execute/selective.py)
         self.unchecked_inputs = None if measured_on is None else (measured_on, source)
         self.stage_names = [name for name, _ in pairs]
@@ -132,6 +141,13 @@ class PlannedChain(torch.nn.Module):
         # taken when the module is built, as an optimizer takes them.
         self.modules_in_order = list(self.stages)
         self._graph_parameters = {}
+
+    def compiled_stage(self, i):
+        """Stage ``i`` through ``torch.compile`` (made on first use; without and with gradients it compiles
+        twice, as any module run both ways)."""
+        if i not in self._compiled_stages:
+            self._compiled_stages[i] = torch.compile(self.modules_in_order[i])
+        return self._compiled_stages[i]
 
     def graph_parameters(self, stages) -> list:
         """The parameters of ``stages`` (a fused graph's), each once."""

@@ -184,13 +184,15 @@ def forward_nodes(module, args, throughput: float = None) -> list:
 # Running with an option
 
 
-def run_with_option(module, recompute, *args):
+def run_with_option(module, recompute, *args, compiled: bool = False):
     """``module(*args)`` with the values of the operations at positions ``recompute`` dropped after the forward
-    and recomputed at its backward (see the module docstring)."""
+    and recomputed at its backward (see the module docstring); ``compiled``: the graph runs through
+    ``torch.compile``, its pieces between two notes compiled (what they save for the backward goes through the
+    same hooks), the recomputation eager."""
     prepared = _PREPARED.setdefault(module, {})
-    key = tuple(recompute)
+    key = tuple(recompute), compiled
     if key not in prepared:
-        prepared[key] = _Selective(stage_graph(module, args), key)
+        prepared[key] = _Selective(stage_graph(module, args), key[0], compiled)
     return prepared[key].run(module, args)
 
 
@@ -208,7 +210,7 @@ def _note_generators(index):
 class _Selective:
     """A stage's graph with notes after its dropped operations and its frontier, and their recomputation."""
 
-    def __init__(self, graph_module, recompute):
+    def __init__(self, graph_module, recompute, compiled: bool = False):
         nodes = operations(graph_module)
         if recompute and max(recompute) >= len(nodes):
             raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
@@ -217,18 +219,20 @@ class _Selective:
         self.frontier = list({d: None for n in self.dropped for d in n.all_input_nodes if d not in dropped})
         graph = copy.deepcopy(graph_module.graph)
         copies = dict(zip(graph_module.graph.nodes, graph.nodes))
+        note, note_generators = ((torch.compiler.disable(_note), torch.compiler.disable(_note_generators))
+                                 if compiled else (_note, _note_generators))
         first = next(node for node in graph.nodes if node.op != "placeholder")  # notes go after every placeholder
         for k, node in enumerate(self.dropped):
             if isinstance(node.meta.get("val"), torch.Tensor):  # a tuple's items are noted at their getitem
                 with graph.inserting_after(copies[node]):
-                    graph.call_function(_note, (copies[node], k, False))
+                    graph.call_function(note, (copies[node], k, False))
             if _random(node):
                 with graph.inserting_before(copies[node]):
-                    graph.call_function(_note_generators, (k,))
+                    graph.call_function(note_generators, (k,))
         for k, node in enumerate(self.frontier):
             at = copies[node]
             with graph.inserting_before(first) if at.op == "placeholder" else graph.inserting_after(at):
-                graph.call_function(_note, (at, k, True))
+                graph.call_function(note, (at, k, True))
         attributes = {node.target: _attribute(graph_module, node.target) for node in graph_module.graph.nodes
                       if node.op in ("get_attr", "call_module")}
         self.marked = torch.fx.GraphModule(attributes, graph)
@@ -237,6 +241,7 @@ class _Selective:
         # running statistics, swapped into the module (planner.execute.autograd.running_statistics_kept).
         self.buffers = [target for target, value in attributes.items()
                         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
+        self.forward = torch.compile(self.marked) if compiled else self.marked
 
     def run(self, module, args):
         for target in self.buffers:
@@ -251,7 +256,7 @@ class _Selective:
         _ACTIVE.append(run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                return self.marked(*args)
+                return self.forward(*args)
         finally:
             _ACTIVE.pop()
             run.forward_done()

@@ -175,7 +175,10 @@ class StepRun:
         recomputes it); a recomputation replays that state and the autocast state, and keeps running
         statistics."""
         recompute = self.planned.recomputes.get(i) if forward_all else None
-        call = module if recompute is None else functools.partial(run_with_option, module, recompute)
+        if recompute is not None:
+            call = functools.partial(run_with_option, module, recompute, compiled=self.planned.compiled)
+        else:
+            call = self.planned.compiled_stage(i) if self.planned.compiled else module
         if i not in self.forwarded:
             self.forwarded.add(i)
             if i in self.planned.recomputed:
