@@ -24,6 +24,8 @@ from planner.execute.graph import GraphExecutor
 from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
+from profiles.chain_profiler import profile_chain
+from profiles.graph_profiler import profile_graph
 from profiles.memory import memory_meter, storage_bytes
 from profiles.options import DEFAULT_OPTIONS
 from profiles.spec import built_model
@@ -179,13 +181,9 @@ def profiled_for_training(model, device, nodes: int = None, say=print, **options
     ``nodes`` (and ``options`` for :func:`profiles.graph_profiler.profile_graph`) its training step into a graph
     of at most that many nodes; ``say(line)`` tells what is being done."""
     if nodes is None:
-        from profiles.chain_profiler import profile_chain
-
         say("\n".join([*model.report, f"profiling {model.name} on {device} ({len(model.stages)} stages)..."]))
         return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device,
                              name=model.name, options=DEFAULT_OPTIONS)
-    from profiles.graph_profiler import profile_graph
-
     say(f"capturing and profiling {model.name}'s training step as a graph of at most {nodes} nodes...")
     return profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=nodes, device=device,
                          name=model.name, **options)

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import operator
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -44,14 +45,21 @@ def stage_graph(module, args) -> torch.fx.GraphModule:
         return module
     key = _structure_key(module, args)
     if key not in _EXPORTED:
-        exported = torch.export.export(module, tuple(args), strict=False)
-        _EXPORTED[key] = exported.run_decompositions({}).module()  # dropout as native_dropout: its mask a value
+        with _quiet_pytree():
+            exported = torch.export.export(module, tuple(args), strict=False)
+            _EXPORTED[key] = exported.run_decompositions({}).module()  # dropout as native_dropout: a mask value
     return _rebound(_EXPORTED[key], module)
 
 
 def _structure_key(module, args) -> tuple:
+    """What makes two modules run the same graph: their classes and settings (every submodule's plain
+    attributes), parameter and buffer shapes, the inputs' shapes and the training flag."""
     tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
-    return (type(module).__qualname__, repr(module),
+    settings = tuple((name, type(sub).__qualname__, tuple(sorted(
+        (key, repr(value)) for key, value in vars(sub).items()
+        if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None), tuple)))))
+        for name, sub in module.named_modules())
+    return (settings, repr(module),
             tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()),
             tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors), module.training)
@@ -66,9 +74,24 @@ def _rebound(graph_module, module):
                 attributes[node.target] = _attribute(module, node.target)
             except AttributeError:  # the export's own (its input checks)
                 attributes[node.target] = _attribute(graph_module, node.target)
-    rebound = torch.fx.GraphModule(attributes, copy.deepcopy(graph_module.graph))
+    rebound = torch.fx.GraphModule(attributes, _copied(graph_module.graph))
     rebound.train(module.training)
     return rebound
+
+
+def _copied(graph):
+    """A deep copy of ``graph``."""
+    with _quiet_pytree():
+        return copy.deepcopy(graph)
+
+
+@contextlib.contextmanager
+def _quiet_pytree():
+    """Without the pytree deprecation warning torch's export raises when its specs are copied (it would reach the
+    user's terminal, about torch's own code)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        yield
 
 
 def _attribute(root, dotted: str):
@@ -119,7 +142,7 @@ class ForwardNode:
     """
 
     position: int
-    name: str
+    name: str  # the operation (``aten.linear.default``)
     inputs: tuple
     recomputable: bool
     bytes: int
@@ -172,7 +195,7 @@ def forward_nodes(module, args, throughput: float = None) -> list:
     for node, storage, seconds in found:
         on_output = isinstance(node.meta.get("val"), torch.Tensor) and keys[node] in output_keys
         own = storage is not None and not on_output
-        nodes.append(ForwardNode(positions[node], node.name, tuple(positions[d] for d in node.all_input_nodes
+        nodes.append(ForwardNode(positions[node], str(node.target), tuple(positions[d] for d in node.all_input_nodes
                                                                   if d in positions),
                                  recomputable(node) and not on_output, storage.nbytes() if own else 0,
                                  own and storage._cdata in saved, seconds,
@@ -217,7 +240,7 @@ class _Selective:
         self.dropped = [nodes[p] for p in recompute]
         dropped = set(self.dropped)
         self.frontier = list({d: None for n in self.dropped for d in n.all_input_nodes if d not in dropped})
-        graph = copy.deepcopy(graph_module.graph)
+        graph = _copied(graph_module.graph)
         copies = dict(zip(graph_module.graph.nodes, graph.nodes))
         note, note_generators = ((torch.compiler.disable(_note), torch.compiler.disable(_note_generators))
                                  if compiled else (_note, _note_generators))

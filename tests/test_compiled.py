@@ -1,0 +1,123 @@
+"""Plans under torch.compile (issue 16): the profiler's memory meter against the tracker on an eager step, a
+hierarchical plan's stage options through compiled code, and ``memsched train --compile``.
+
+Compiling is slow on this machine (tens of seconds for a small model, cold), so the models are tiny. Under
+inductor dropout draws other numbers (``fallback_random`` makes it draw eager's), and fused kernels add in
+another order: gradients are compared with tolerances.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from planner.execute.chain import apply_plan
+from planner.execute.live_memory import LiveMemoryTracker
+from profiles.chain_profiler import profile_chain
+from profiles.memory import ProfilerMemoryMeter
+from profiles.zoo import MODELS
+from solvers import solve, store_all_peak
+from solvers.minimum import minimum_budget
+from test_cli_train import run
+
+
+def gpt():
+    return MODELS["gpt-tiny"](layers=1, d=32, heads=2, seq=16, vocab=64, batch=4)
+
+
+def parameters(model) -> list:
+    return [p for _, module in model.stages for p in module.parameters()]
+
+
+def step(model, forward):
+    for p in parameters(model):
+        p.grad = None
+    torch.manual_seed(0)
+    model.loss_fn(forward(*model.example_inputs)).backward()
+    return [p.grad.clone() for p in parameters(model)]
+
+
+def test_profiler_meter_equals_the_tracker_on_an_eager_step():
+    model = MODELS["gpt-tiny"](layers=2)
+
+    def plain(*inputs):
+        activation = inputs[0]
+        for _, module in model.stages:
+            activation = module(activation)
+        return activation
+
+    step(model, plain)
+    for p in parameters(model):
+        p.grad = None
+    with LiveMemoryTracker() as tracker:
+        model.loss_fn(plain(*model.example_inputs)).backward()
+    for p in parameters(model):
+        p.grad = None
+    with ProfilerMemoryMeter() as meter:
+        model.loss_fn(plain(*model.example_inputs)).backward()
+    print(f"tracker {tracker.peak} B, torch.profiler {meter.peak} B")
+    assert abs(meter.peak / tracker.peak - 1) <= 0.001
+
+
+def test_a_hierarchical_plan_runs_compiled(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)
+    model = gpt()
+    chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1,
+                          options=4)
+    low, high = minimum_budget(chain, options=True), store_all_peak(chain)
+    plan = solve(chain, (low + high) // 2, "hierarchical")
+    assert any(op.option is not None for op in plan.schedule)
+    eager = step(model, apply_plan(model.stages, plan, chain))
+    compiled_plan = apply_plan(model.stages, plan, chain, compile=True)
+    compiled = step(model, compiled_plan)
+    for got, expected in zip(compiled, eager):
+        assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for p in parameters(model):
+        p.grad = None
+    with ProfilerMemoryMeter() as meter:
+        model.loss_fn(compiled_plan(*model.example_inputs)).backward()
+    print(f"compiled: measured {meter.peak} B, the eager plan's prediction {plan.predicted.peak_bytes} B")
+    assert 0 < meter.peak <= 1.25 * plan.predicted.peak_bytes
+
+
+@pytest.mark.parametrize("extra", [["--graph"]])
+def test_compile_is_refused_where_it_does_not_run(capsys, extra):
+    status, out, err = run(capsys, "train", "mlp:layers=2", "--budget", "60%", "--compile", *extra)
+    assert status != 0 and "--compile runs chain plans" in out + err
+
+
+def test_train_compile_runs_and_measures(capsys):
+    status, out, err = run(capsys, "train", "mlp:layers=4,width=64,batch=256", "--budget", "85%", "--compile",
+                           "--steps", "1")
+    assert status == 0, out + err
+    assert "with the plan" in out and "of predicted" in out
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_fit_compile_trains_as_fit_does():
+    from planner import fit
+
+    torch.manual_seed(0)
+    model = Small()
+    x = torch.randn(512, 32)
+    eager = fit(model, x, "70%", warmup=0, repeats=1)
+    eager(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled = fit(model, x, "70%", warmup=0, repeats=1, compile=True)
+    compiled(x).backward()
+    for p, grad in zip(model.parameters(), expected):
+        assert_close(p.grad, grad, rtol=1e-4, atol=1e-5)
