@@ -412,11 +412,13 @@ def _demo(args) -> None:
     model, _ = load_model("gpt-tiny")
     print("memsched demo: the built-in gpt-tiny, trained at half the memory of storing every activation\n")
     chain = _profiled(model, "cpu")
-    plan = solvers.solve(chain, parse_budget("50%", solvers.store_all_peak(chain)), "rotor")
+    budget = parse_budget("50%", solvers.store_all_peak(chain))
+    plan, rotor = (solvers.solve(chain, budget, name) for name in ("hierarchical", "rotor"))
     result = simulate(chain, plan)
     schedule = ["  " + line for line in render.compact_schedule(plan.schedule, width=76).splitlines()]
-    print("\n".join(render.chain_table(chain) + [""] + render.solve_summary(plan, "rotor") + ["schedule:"] + schedule +
-                    [""] + render.ascii_timeline(result, plan.budget_bytes)) + "\n")
+    print("\n".join(render.chain_table(chain) + [""] + render.solve_summary(plan, "hierarchical")
+                    + [f"  (rotor, stages whole, at this budget: {rotor.predicted.overhead:+.1%})", "schedule:"]
+                    + schedule + [""] + render.ascii_timeline(result, plan.budget_bytes)) + "\n")
     for line in _plotted_timeline(result, plan, args.plot):
         print(line + "\n")
     print("\n".join(render.training_table(plan, train_chain_plan(model, plan, chain, args.steps, "cpu", 1e-3))))

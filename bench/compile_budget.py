@@ -64,8 +64,8 @@ def staged(name):
 class Step:
     """One training step of a variant: forward, loss, backward, gradients cleared first."""
 
-    def __init__(self, forward, model, compiled: bool):
-        self.forward, self.model, self.compiled = forward, model, compiled
+    def __init__(self, forward, model, compiled: bool, fraction: float = None):
+        self.forward, self.model, self.compiled, self.fraction = forward, model, compiled, fraction
         self.parameters = [p for _, m in model.stages for p in m.parameters()]
         self.inputs = storage_bytes([t for t in model.example_inputs if isinstance(t, torch.Tensor)])
 
@@ -75,7 +75,15 @@ class Step:
         self.model.loss_fn(self.forward(*self.model.example_inputs)).backward()
 
     def peak(self) -> int:
-        self()  # a compiled variant compiles here, outside the window
+        import torch._functorch.config as functorch_config
+
+        default = functorch_config.activation_memory_budget
+        if self.fraction is not None:  # read when it compiles, which it does here, outside the window
+            functorch_config.activation_memory_budget = self.fraction
+        try:
+            self()
+        finally:
+            functorch_config.activation_memory_budget = default
         for parameter in self.parameters:
             parameter.grad = None
         with memory_meter("cpu", self.compiled) as meter:
@@ -94,14 +102,12 @@ def checkpoint_sequential_step(model, segments: int):
     return forward
 
 
-def compiled_plain_step(model, fraction: float):
-    import torch._dynamo
-    import torch._functorch.config as functorch_config
-
-    torch._dynamo.reset()  # the fraction is read at compile time
-    functorch_config.activation_memory_budget = fraction
-    whole = torch.nn.ModuleList([module for _, module in model.stages])
-    return torch.compile(lambda *inputs: run_stages(list(zip(map(str, range(len(whole))), whole)), inputs))
+def compiled_plain_step(model):
+    """The plain step through one ``torch.compile`` (a new code object each time: compiled afresh, with the
+    fraction :meth:`Step.peak` sets)."""
+    stages = list(model.stages)
+    return torch.compile(eval("lambda *inputs: run_stages(stages, inputs)", {"run_stages": run_stages,
+                                                                            "stages": stages}))
 
 
 def timed(steps: dict, rounds: int, clock) -> dict:
@@ -157,7 +163,7 @@ def bench_model(name: str, args, clock) -> list:
     fractions = {}
     if not args.no_compile:
         for fraction in args.fractions:
-            step = Step(compiled_plain_step(model, fraction), model, True)
+            step = Step(compiled_plain_step(model), model, True, fraction)
             fractions[fraction] = (step.peak(), step)
     header = "| budget MiB | " + " | ".join(VARIANTS) + " |"
     lines += [f"rotor's least feasible budget {minimum_budget(chain) / MIB:.2f} MiB, hierarchical's {low / MIB:.2f} "

@@ -90,11 +90,13 @@ def _ranges(items, steps=(1, -1)) -> list:
 
 
 def compact_schedule(schedule, width: int = None) -> str:
-    """The schedule as ranges: ``F_ck 0, F_none 1-4, F_all 5-19, Loss, B 19-5, F_all 0-4, B 4-0``.
+    """The schedule as ranges: ``F_ck 0, F_none 1-4, F_all 5-19, Loss, B 19-5, F_all 0-4, B 4-0``; an ``F_all``
+    with stage option ``k`` is ``F_all[k]``.
 
     One line, or with ``width`` lines of at most ``width`` characters broken between ranges.
     """
-    return _wrapped(_ranges((op.kind, op.stage, op.what) for op in schedule), width)
+    return _wrapped(_ranges((op.kind if op.option is None else f"{op.kind}[{op.option}]", op.stage, op.what)
+                            for op in schedule), width)
 
 
 def compact_graph_schedule(schedule, width: int = None) -> str:
@@ -379,6 +381,14 @@ def chain_table(chain) -> list:
                  f"{format_bytes(chain.loss.tmp_bytes):>10}")
     lines.append(f"input {format_bytes(chain.input_bytes)}; one step without recomputation "
                  f"{format_seconds(chain.compute_time)} on {chain.device}")
+    with_options = [stage for stage in chain.stages if stage.options]
+    if with_options:
+        widest = max(with_options, key=lambda stage: len(stage.options))
+        least = min(widest.options, key=lambda option: option.saved_bytes)
+        extra = least.fwd_time + least.bwd_time - widest.fwd_time - widest.bwd_time
+        lines.append(f"stage options: {sum(len(s.options) for s in with_options)} on {len(with_options)} stages; "
+                     f"{widest.name} keeps down to {format_bytes(least.saved_bytes)} of "
+                     f"{format_bytes(widest.saved_bytes)} for {format_seconds(extra)} more")
     return lines
 
 

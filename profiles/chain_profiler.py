@@ -8,7 +8,9 @@ live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separat
 ``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (:func:`build_fake`):
 sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
-(``measured_on``), which the executors check. What each field counts: docs/execution.md ("Chain profiler").
+(``measured_on``), which the executors check. With ``options=N`` each distinct stage also gets its stage
+options (profiles/options.py), measured as it runs them (planner/execute/selective.py). What each field
+counts: docs/execution.md ("Chain profiler").
 """
 
 import contextlib

@@ -140,3 +140,13 @@ def test_an_option_the_stage_lacks_or_on_another_op_is_refused():
     with pytest.raises(MemschedError, match="only F_all runs with an option"):
         check_schedule([Op("F_ck", 0, option=0), Op("F_all", 1), Op("Loss"), Op("B", 1), Op("F_all", 0),
                         Op("B", 0)], 2)
+
+
+def test_the_schedule_and_the_chain_table_show_the_options():
+    from planner.render import chain_table, compact_schedule
+
+    chain = _options_help(random_chain(3, 0))
+    schedule = [Op("F_all", 0, option=0), Op("F_all", 1, option=0), Op("F_all", 2), Op("Loss"), Op("B", 2),
+                Op("B", 1), Op("B", 0)]
+    assert compact_schedule(schedule).startswith("F_all[0] 0-1, F_all 2, Loss")
+    assert chain_table(chain)[-1].startswith("stage options: 3 on 3 stages;")

@@ -264,7 +264,11 @@ class _Selective:
         # running statistics, swapped into the module (planner.execute.autograd.running_statistics_kept).
         self.buffers = [target for target, value in attributes.items()
                         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
-        self.forward = torch.compile(self.marked) if compiled else self.marked
+        # A graph that writes in place (an exported BatchNorm's statistics) fails inductor's backward tracing
+        # once cut into pieces: it runs its option eagerly.
+        writes = any(isinstance(n.target, torch._ops.OpOverload) and any(
+            a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments) for n in nodes)
+        self.forward = torch.compile(self.marked) if compiled and not writes else self.marked
 
     def run(self, module, args):
         for target in self.buffers:
