@@ -125,6 +125,8 @@ def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, pa
     if rest <= 0:
         raise MemschedError(f"budget {format_bytes(budget)} does not hold the parameters of two host-weight stages "
                             f"({format_bytes(reserve)}); raise the budget")
+    if solver == "auto" and chain.has_options:  # the executor runs stage options without transfers only
+        solver = "store_all" if rest >= store_all_peak(chain) else "rotor"
     try:
         inner = solve(chain, rest, solver, **params)
     except MemschedError as exc:

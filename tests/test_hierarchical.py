@@ -150,3 +150,14 @@ def test_the_schedule_and_the_chain_table_show_the_options():
                 Op("B", 1), Op("B", 0)]
     assert compact_schedule(schedule).startswith("F_all[0] 0-1, F_all 2, Loss")
     assert chain_table(chain)[-1].startswith("stage options: 3 on 3 stages;")
+
+
+def test_auto_with_host_weights_keeps_stages_whole():
+    """Stage options and transfers do not run together: auto solves a host-weight plan with rotor."""
+    from planner.transfer import Transfer
+
+    chain = random_chain(6, 1, tmp=True, params=True, options=3)
+    chain = Chain(name=chain.name, device=chain.device, input_bytes=chain.input_bytes, stages=chain.stages,
+                  loss=chain.loss, transfer=Transfer(1e9, 1e-5))
+    plan = solve(chain, (minimum_budget(chain) + store_all_peak(chain)) // 2, "auto", weights="all")
+    assert plan.solver == "rotor" and not any(op.option is not None for op in plan.schedule)
