@@ -426,8 +426,20 @@ def hierarchical(chain: Chain, budget: int, slots: int = None) -> Solution:
     :class:`planner.chain.StageOption`: which of its results the stage keeps for its backward) or none; the same
     discretisation, byte checks and fallbacks as :func:`rotor`, of which it is a superset (never slower at any
     budget; below rotor's least memory where a stage's own saved tensors dominate). A chain without options
-    gets rotor's schedule; a chain merged into groups to fit the table (long chains) loses its options."""
-    return _fastest(chain, budget, slots, options=True)
+    gets rotor's schedule; a chain merged into groups to fit the table (long chains) loses its options.
+
+    Where rounding leaves both tables without a schedule at the budget's level, each falls back on its own
+    least-memory schedule, and hierarchical's (the least memory over options) can be the slower: rotor's
+    answer is then taken, so that it is never slower at any budget, in bytes."""
+    ours = _fastest(chain, budget, slots, options=True)
+    if not chain.has_options:
+        return ours
+    try:
+        theirs = _fastest(chain, budget, slots, options=False)
+    except MemschedError:  # below rotor's least memory
+        return ours
+    simulator = ChainSimulator(chain)
+    return theirs if simulator.run(theirs.schedule).time < simulator.run(ours.schedule).time else ours
 
 
 def _fastest(chain: Chain, budget: int, slots, options: bool) -> Solution:
