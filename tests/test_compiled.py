@@ -59,10 +59,14 @@ def test_profiler_meter_equals_the_tracker_on_an_eager_step():
     assert abs(meter.peak / tracker.peak - 1) <= 0.001
 
 
-def test_a_hierarchical_plan_runs_compiled(monkeypatch):
+def test_a_hierarchical_plan_runs_compiled():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
+    with inductor_config.patch(fallback_random=True):  # (monkeypatch's undo deletes the setting)
+        compiled_like_eager()
+
+
+def compiled_like_eager():
     model = gpt()
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1,
                           options=4)
