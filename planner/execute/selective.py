@@ -53,7 +53,8 @@ def stage_graph(module, args) -> torch.fx.GraphModule:
 
 def _structure_key(module, args) -> tuple:
     """What makes two modules run the same graph: their classes and settings (every submodule's plain
-    attributes), parameter and buffer shapes, the inputs' shapes and the training flag."""
+    attributes), parameter and buffer shapes, the inputs' shapes, the tensors' kinds (a graph exported on fake
+    tensors keeps fake constants) and the training flag."""
     tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
     settings = tuple((name, type(sub).__qualname__, tuple(sorted(
         (key, repr(value)) for key, value in vars(sub).items()
@@ -62,7 +63,8 @@ def _structure_key(module, args) -> tuple:
     return (settings, repr(module),
             tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()),
-            tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors), module.training)
+            tuple((type(t).__name__, tuple(t.shape), t.dtype, t.device.type)  # a fake tensor's export is its own
+                  for t in tensors + list(module.parameters()) + list(module.buffers())), module.training)
 
 
 def _rebound(graph_module, module):
