@@ -21,6 +21,19 @@ from solvers.minimum import minimum_budget
 from test_cli_train import run
 
 
+@pytest.fixture(autouse=True, scope="module")
+def compiled_code_dropped_after():
+    """Compiled code and its caches are let go after this module: the millions of objects they hold would make
+    a later test's garbage collections (tests/test_time_limits.py times solvers to the tenth of a second) slow."""
+    yield
+    import gc
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    gc.collect()
+
+
 def gpt():
     return MODELS["gpt-tiny"](layers=1, d=32, heads=2, seq=16, vocab=64, batch=4)
 

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from planner.execute.autograd import rng_devices, rng_state, set_rng_state
 
 _EXPORTED = {}  # structure key -> an exported graph module of a stage with that structure
+_EXPORTS_KEPT = 16
 _PREPARED = weakref.WeakKeyDictionary()  # module -> {recompute positions: _Selective}
 _ACTIVE = []  # the runs whose forward is in progress (innermost last)
 
@@ -45,6 +46,8 @@ def stage_graph(module, args) -> torch.fx.GraphModule:
         return module
     key = _structure_key(module, args)
     if key not in _EXPORTED:
+        if len(_EXPORTED) >= _EXPORTS_KEPT:  # the oldest first (dicts keep insertion order)
+            del _EXPORTED[next(iter(_EXPORTED))]
         with _quiet_pytree():
             exported = torch.export.export(module, tuple(args), strict=False)
             _EXPORTED[key] = exported.run_decompositions({}).module()  # dropout as native_dropout: a mask value
