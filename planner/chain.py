@@ -86,11 +86,11 @@ class Stage:
         return {field: [option.to_dict() for option in self.options] if field == "options" else getattr(self, field)
                 for field in fields}
 
-    def running_option(self, option: int) -> StageOption:
-        """Option ``option`` of this stage; one it lacks raises :class:`MemschedError` in one line."""
+    def running_option(self, option: int, error=MemschedError) -> StageOption:
+        """Option ``option`` of this stage; one it lacks raises ``error`` in one line."""
         if isinstance(option, bool) or not isinstance(option, int) or not 0 <= option < len(self.options):
-            raise MemschedError(f"stage {self.name!r} has {len(self.options)} options; option {option} is not one "
-                                "(the plan is for another chain: solve again)")
+            raise error(f"stage {self.name!r} has {len(self.options)} options; option {option} is not one "
+                        "(the plan is for another chain: solve again)")
         return self.options[option]
 
     def running(self, option) -> "Stage":
@@ -98,9 +98,7 @@ class Stage:
         ``B`` after it."""
         if option is None:
             return self
-        if not isinstance(option, int) or not 0 <= option < len(self.options):
-            raise ValueError(f"stage {self.name!r} has {len(self.options)} options; option {option} is not one")
-        chosen = self.options[option]
+        chosen = self.running_option(option, ValueError)  # the simulator turns a ValueError into its own error
         return Stage(name=self.name, fwd_time=chosen.fwd_time, bwd_time=chosen.bwd_time, out_bytes=self.out_bytes,
                      saved_bytes=chosen.saved_bytes, fwd_tmp_bytes=chosen.fwd_tmp_bytes,
                      bwd_tmp_bytes=chosen.bwd_tmp_bytes, param_bytes=self.param_bytes,
