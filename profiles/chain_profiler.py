@@ -32,7 +32,7 @@ from planner.errors import MemschedError
 from planner.execute.autograd import accumulate_grads
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.records import measured_on, shared_parameters
-from planner.execute.selective import forward_nodes, run_with_option
+from planner.execute.selective import forward_nodes, recomputation, run_with_option
 from planner.execute.stages import (
     StagedModel,
     checked_device,
@@ -277,9 +277,12 @@ class _Runner:
 
     def option(self, k, stage_name, module, recompute, activation, extra, input_bytes) -> StageOption:
         """Measure stage ``k`` run recomputing the operations at positions ``recompute``
-        (as the executor runs it). Its seconds are those an option run takes beyond a plain one, the two timed
-        in turn (the median difference, at least 0: on a busy machine two separate medians differ by more than
-        a few recomputed operations cost); :meth:`with_options` adds the stage's own."""
+        (as the executor runs it). Its seconds are those an option run takes beyond a plain one, which
+        :meth:`with_options` adds to the stage's own: for the forward, the median difference of the two forwards
+        timed in turn (at least 0); for the backward, the recomputation it adds, timed alone (the rest of the
+        backward is the plain one; the difference of two whole backwards is lost in their noise on a busy
+        machine, measured: ±3 ms on a resnet-tiny block's 35 ms where recomputing a BatchNorm and ReLU costs
+        2.5)."""
         def call(stage_input):
             return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra))
 
@@ -299,8 +302,11 @@ class _Runner:
             del output, outputs, stage_input
         for parameter in _module_parameters(module):
             parameter.grad = None
-        extra_fwd, extra_bwd = self._extra_times(_guarded(k, stage_name, module, extra), call, activation, needs_grad,
-                                                 module)
+        extra_fwd = self._extra_forward(_guarded(k, stage_name, module, extra), call, activation, needs_grad)
+        with torch.enable_grad():
+            replay = _guarded_run(k, stage_name, lambda: recomputation(
+                module, recompute, _fresh_input(activation, needs_grad), *extra))
+        extra_bwd = self._median(lambda: self._flops_or_time(replay))
         saved = max(kept, out_bytes)
         return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
                            own_saved_bytes=saved - out_bytes, fwd_tmp_bytes=max(0, forward_peak - saved),
@@ -360,23 +366,17 @@ class _Runner:
                 backward.append(bwd)
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
 
-    def _extra_times(self, plain, option, activation, needs_grad, module) -> tuple:
-        """``(forward, backward)``: the median seconds ``option`` takes beyond ``plain``, each at least 0."""
-        forward, backward = [], []
+    def _extra_forward(self, plain, option, activation, needs_grad) -> float:
+        """The median seconds ``option``'s forward takes beyond ``plain``'s, the two timed in turn; at least 0."""
+        differences = []
         for run in range(self.warmup + self.repeats):
             times = []
             for call in (plain, option):
                 stage_input = _fresh_input(activation, needs_grad)
-                holder = {}
-                fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))  # noqa: B023
-                outputs = _tensors(holder.pop("output"))
-                times.append((fwd, self._flops_or_time(lambda: _backward(outputs, stage_input, module))))  # noqa: B023
-                for parameter in _module_parameters(module):
-                    parameter.grad = None
+                times.append(self._flops_or_time(lambda: call(stage_input)))  # noqa: B023 (run at once)
             if run >= self.warmup:
-                forward.append(times[1][0] - times[0][0])
-                backward.append(times[1][1] - times[0][1])
-        return max(0.0, statistics.median(forward)), max(0.0, statistics.median(backward))
+                differences.append(times[1] - times[0])
+        return max(0.0, statistics.median(differences))
 
     def _backward_call_cost(self) -> float:
         """Seconds one measured backward spends starting autograd on a trivial graph, which a stage's backward

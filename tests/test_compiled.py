@@ -99,6 +99,43 @@ def compiled_like_eager():
     assert 0 < meter.peak <= 1.25 * plan.predicted.peak_bytes
 
 
+def test_a_compiled_option_keeps_less_than_the_compiled_block():
+    """The option's values are recomputed inside the compiled backward (the selective tags survive
+    compilation, the policy aligned with the traced operations: no warning), so its compiled forward keeps less
+    than the compiled plain block's, and its gradients are the eager block's."""
+    import warnings
+
+    from planner.execute.selective import forward_nodes, run_with_option
+    from profiles.options import candidate_recomputes
+
+    model = MODELS["gpt-tiny"](layers=1, d=64, heads=2, seq=64, vocab=64, batch=4, dropout=0.0)
+    with torch.no_grad():
+        x = model.stages[0][1](model.example_inputs[0])
+    _, block = model.stages[1]
+    recompute = candidate_recomputes(forward_nodes(block, (x.requires_grad_(),)), 4)[-1]
+    plain = torch.compile(block)
+
+    def measured(forward):
+        for p in block.parameters():
+            p.grad = None
+        with ProfilerMemoryMeter() as meter:
+            output = forward(x.detach().requires_grad_())
+        output.sum().backward()
+        return meter.peak, [p.grad.clone() for p in block.parameters()]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measured(plain), measured(lambda t: run_with_option(block, recompute, t, compiled=True))  # compile first
+        plain_peak, expected = measured(block)
+        compiled_plain_peak, _ = measured(plain)
+        option_peak, got = measured(lambda t: run_with_option(block, recompute, t, compiled=True))
+    assert not [w for w in caught if "option under torch.compile" in str(w.message)]
+    print(f"forward peaks: eager {plain_peak} B, compiled {compiled_plain_peak} B, compiled option {option_peak} B")
+    assert option_peak < 0.7 * compiled_plain_peak
+    for grad, want in zip(got, expected):
+        assert_close(grad, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("extra", [["--graph"]])
 def test_compile_is_refused_where_it_does_not_run(capsys, extra):
     status, out, err = run(capsys, "train", "mlp:layers=2", "--budget", "60%", "--compile", *extra)

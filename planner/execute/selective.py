@@ -28,6 +28,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten
 
 from planner.execute.autograd import rng_devices, rng_state, set_rng_state
+from planner.execute.compiled_option import CompiledOption
 
 _EXPORTED = {}  # structure key -> an exported graph module of a stage with that structure
 _EXPORTS_KEPT = 16
@@ -214,14 +215,39 @@ def forward_nodes(module, args, throughput: float = None) -> list:
 
 def run_with_option(module, recompute, *args, compiled: bool = False):
     """``module(*args)`` with the values of the operations at positions ``recompute`` dropped after the forward
-    and recomputed at its backward (see the module docstring); ``compiled``: the graph runs through
-    ``torch.compile``, its pieces between two notes compiled (what they save for the backward goes through the
-    same hooks), the recomputation eager."""
+    and recomputed at its backward (see the module docstring); ``compiled``: through ``torch.compile``, as one
+    compiled forward and backward with the recomputation inside (planner/execute/compiled_option.py), unless the
+    graph writes in place."""
+    return _prepared(module, recompute, compiled, args).run(module, args)
+
+
+def recomputation(module, recompute, *args):
+    """What running ``module(*args)`` with option ``recompute`` adds to its backward, as a callable to time: the
+    dropped operations its backward reads (and those they read) recomputed without autograd from the frontier of
+    one forward run here (its output let go)."""
+    selective = _prepared(module, recompute, False, args)
+    run = _Run(selective)
+    selective.forward(module, args, run)
+    held, generators, wanted = run.held, run.generators, sorted(run.uses)
+    return lambda: selective.recompute(held, generators, wanted)
+
+
+def _prepared(module, recompute, compiled: bool, args) -> "_Selective":
     prepared = _PREPARED.setdefault(module, {})
     key = tuple(recompute), compiled
     if key not in prepared:
-        prepared[key] = _Selective(stage_graph(module, args), key[0], compiled)
-    return prepared[key].run(module, args)
+        graph_module = stage_graph(module, args)
+        nodes = operations(graph_module)
+        if recompute and max(recompute) >= len(nodes):
+            raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
+        # A graph that writes in place (an exported BatchNorm's statistics) runs its option eagerly.
+        writes = any(isinstance(n.target, torch._ops.OpOverload) and any(
+            a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments) for n in nodes)
+        if compiled and not writes:
+            prepared[key] = CompiledOption(graph_module, [nodes[p] for p in key[0]], args, type(module).__name__)
+        else:
+            prepared[key] = _Selective(graph_module, key[0])
+    return prepared[key]
 
 
 def _note(value, index, held):
@@ -238,29 +264,26 @@ def _note_generators(index):
 class _Selective:
     """A stage's graph with notes after its dropped operations and its frontier, and their recomputation."""
 
-    def __init__(self, graph_module, recompute, compiled: bool = False):
+    def __init__(self, graph_module, recompute):
         nodes = operations(graph_module)
-        if recompute and max(recompute) >= len(nodes):
-            raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
         self.dropped = [nodes[p] for p in recompute]
         dropped = set(self.dropped)
         self.frontier = list({d: None for n in self.dropped for d in n.all_input_nodes if d not in dropped})
         graph = _copied(graph_module.graph)
         copies = dict(zip(graph_module.graph.nodes, graph.nodes))
-        note, note_generators = ((torch.compiler.disable(_note), torch.compiler.disable(_note_generators))
-                                 if compiled else (_note, _note_generators))
-        first = next(node for node in graph.nodes if node.op != "placeholder")  # notes go after every placeholder
+        # An input's note goes after the last input (an exported graph reads its attributes before its inputs).
+        last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
         for k, node in enumerate(self.dropped):
             if isinstance(node.meta.get("val"), torch.Tensor):  # a tuple's items are noted at their getitem
                 with graph.inserting_after(copies[node]):
-                    graph.call_function(note, (copies[node], k, False))
+                    graph.call_function(_note, (copies[node], k, False))
             if _random(node):
                 with graph.inserting_before(copies[node]):
-                    graph.call_function(note_generators, (k,))
+                    graph.call_function(_note_generators, (k,))
         for k, node in enumerate(self.frontier):
             at = copies[node]
-            with graph.inserting_before(first) if at.op == "placeholder" else graph.inserting_after(at):
-                graph.call_function(note, (at, k, True))
+            with graph.inserting_after(last_input if at.op == "placeholder" else at):
+                graph.call_function(_note, (at, k, True))
         attributes = {node.target: _attribute(graph_module, node.target) for node in graph_module.graph.nodes
                       if node.op in ("get_attr", "call_module")}
         self.marked = torch.fx.GraphModule(attributes, graph)
@@ -269,13 +292,16 @@ class _Selective:
         # running statistics, swapped into the module (planner.execute.autograd.running_statistics_kept).
         self.buffers = [target for target, value in attributes.items()
                         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
-        # A graph that writes in place (an exported BatchNorm's statistics) fails inductor's backward tracing
-        # once cut into pieces: it runs its option eagerly.
-        writes = any(isinstance(n.target, torch._ops.OpOverload) and any(
-            a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments) for n in nodes)
-        self.forward = torch.compile(self.marked) if compiled and not writes else self.marked
 
     def run(self, module, args):
+        run = _Run(self)
+        try:
+            return self.forward(module, args, run)
+        finally:
+            run.forward_done()
+
+    def forward(self, module, args, run):
+        """``module``'s forward on ``args`` through the marked graph, ``run`` taking the notes and saved tensors."""
         for target in self.buffers:
             try:
                 value = _attribute(module, target)
@@ -284,14 +310,12 @@ class _Selective:
             *path, name = target.split(".")
             owner = _attribute(self.marked, ".".join(path)) if path else self.marked
             owner._buffers[name] = value
-        run = _Run(self)
         _ACTIVE.append(run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                return self.forward(*args)
+                return self.marked(*args)
         finally:
             _ACTIVE.pop()
-            run.forward_done()
 
     def recompute(self, held: dict, generators: dict, wanted) -> dict:
         """``{k: value}`` of the dropped operations ``wanted`` (indices into :attr:`dropped`), recomputed without
@@ -317,11 +341,17 @@ class _Selective:
 
 
 class _Run:
-    """One forward of a stage with an option: the dropped storages, the held frontier, the recomputed values."""
+    """One forward of a stage with an option: the dropped storages, the held frontier, the recomputed values.
+
+    A saved tensor is packed when the operation that saves it runs, which for an operation saving its own
+    result (``relu``, ``softmax``) is before the note after it says the result is dropped: every tensor packed
+    during the forward waits in a one-item list, and a note turns those already packed on its storage into
+    handles (so the list, not the tensor, is what autograd keeps)."""
 
     def __init__(self, selective):
         self.selective = selective
         self.dropped_keys = {}  # storage key -> index of the dropped operation that made it (while it lives)
+        self.packed = {}  # storage key -> the lists packed on it so far (during the forward)
         self.held = {}
         self.generators = {}  # index of a dropped random operation -> the generator states it started from
         self.uses = {}  # index -> handles still to unpack
@@ -335,20 +365,29 @@ class _Run:
         key = storage._cdata
         self.dropped_keys[key] = index
         weakref.finalize(storage, self.dropped_keys.pop, key, None)  # a later storage may reuse the address
+        for box in self.packed.pop(key, ()):
+            box[0] = self._handle(box[0], index)
 
     def forward_done(self):
         if not self.uses:  # nothing was dropped that the backward reads: hold nothing
             self.held = self.generators = None
-        self.dropped_keys = {}
+        self.dropped_keys, self.packed = {}, {}
 
-    def pack(self, tensor):
-        index = self.dropped_keys.get(tensor.untyped_storage()._cdata)
-        if index is None:
-            return tensor
+    def _handle(self, tensor, index) -> tuple:
         self.uses[index] = self.uses.get(index, 0) + 1
         return index, tensor.size(), tensor.stride(), tensor.storage_offset()
 
-    def unpack(self, packed):
+    def pack(self, tensor):
+        key = tensor.untyped_storage()._cdata
+        index = self.dropped_keys.get(key)
+        if index is not None:
+            return [self._handle(tensor, index)]
+        box = [tensor]
+        self.packed.setdefault(key, []).append(box)
+        return box
+
+    def unpack(self, box):
+        packed = box[0]
         if isinstance(packed, torch.Tensor):
             return packed
         index, size, stride, offset = packed
