@@ -278,11 +278,11 @@ class _Runner:
     def option(self, k, stage_name, module, recompute, activation, extra, input_bytes) -> StageOption:
         """Measure stage ``k`` run recomputing the operations at positions ``recompute``
         (as the executor runs it). Its seconds are those an option run takes beyond a plain one, which
-        :meth:`with_options` adds to the stage's own: for the forward, the median difference of the two forwards
-        timed in turn (at least 0); for the backward, the recomputation it adds, timed alone (the rest of the
-        backward is the plain one; the difference of two whole backwards is lost in their noise on a busy
-        machine, measured: ±3 ms on a resnet-tiny block's 35 ms where recomputing a BatchNorm and ReLU costs
-        2.5)."""
+        :meth:`with_options` adds to the stage's own: for the backward, the recomputation it adds, timed alone
+        (the rest of the backward is the plain one); for the forward, the rest of what a forward and backward
+        with the option take beyond plain ones (:meth:`_extra_step`: the graph's and the hooks' own costs,
+        measured 2 ms of a gpt-tiny block's 25). A rotor-style schedule runs each ``F_all`` once per ``B``, so
+        the split between the two does not change a plan's time."""
         def call(stage_input):
             return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra))
 
@@ -302,11 +302,12 @@ class _Runner:
             del output, outputs, stage_input
         for parameter in _module_parameters(module):
             parameter.grad = None
-        extra_fwd = self._extra_forward(_guarded(k, stage_name, module, extra), call, activation, needs_grad)
         with torch.enable_grad():
             replay = _guarded_run(k, stage_name, lambda: recomputation(
                 module, recompute, _fresh_input(activation, needs_grad), *extra))
         extra_bwd = self._median(lambda: self._flops_or_time(replay))
+        extra = self._extra_step(_guarded(k, stage_name, module, extra), call, activation, needs_grad, module)
+        extra_fwd = max(0.0, extra - extra_bwd)
         saved = max(kept, out_bytes)
         return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
                            own_saved_bytes=saved - out_bytes, fwd_tmp_bytes=max(0, forward_peak - saved),
@@ -366,14 +367,21 @@ class _Runner:
                 backward.append(bwd)
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
 
-    def _extra_forward(self, plain, option, activation, needs_grad) -> float:
-        """The median seconds ``option``'s forward takes beyond ``plain``'s, the two timed in turn; at least 0."""
+    def _extra_step(self, plain, option, activation, needs_grad, module) -> float:
+        """The median seconds a forward and backward with ``option`` take beyond ``plain`` ones, the two timed in
+        turn, ``2 * repeats + 1`` times (their difference is a few percent of either, the noise of this
+        machine as much); at least 0."""
         differences = []
-        for run in range(self.warmup + self.repeats):
+        for run in range(self.warmup + 2 * self.repeats + 1):
             times = []
             for call in (plain, option):
                 stage_input = _fresh_input(activation, needs_grad)
-                times.append(self._flops_or_time(lambda: call(stage_input)))  # noqa: B023 (run at once)
+                holder = {}
+                forward = self._flops_or_time(lambda: holder.update(output=call(stage_input)))  # noqa: B023
+                outputs = _tensors(holder.pop("output"))
+                times.append(forward + self._flops_or_time(lambda: _backward(outputs, stage_input, module)))  # noqa: B023
+                for parameter in _module_parameters(module):
+                    parameter.grad = None
             if run >= self.warmup:
                 differences.append(times[1] - times[0])
         return max(0.0, statistics.median(differences))
