@@ -12,13 +12,17 @@ from torch import nn
 from torch.testing import assert_close
 
 from planner.execute.chain import apply_plan
+from planner.execute.compiled_runs import MergedStages
+from planner.execute.fusion import merged_runs
 from planner.execute.live_memory import LiveMemoryTracker
+from planner.ops import chosen_options
 from profiles.chain_profiler import profile_chain
 from profiles.memory import ProfilerMemoryMeter
 from profiles.zoo import MODELS
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
 from test_cli_train import run
+from test_stage_options import sized_times
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,15 +83,28 @@ def test_a_hierarchical_plan_runs_compiled():
         compiled_like_eager()
 
 
+def plan_merging_an_option(chain):
+    """A hierarchical plan (of 11 budgets from the least to the store-all peak, the first) whose schedule runs
+    several stages together, one of them with an option (a compiled run with a region inside), and its chain."""
+    chain = sized_times(chain)  # times from sizes (tests/test_stage_options.py): the same plans on every run
+    low, high = minimum_budget(chain, options=True), store_all_peak(chain)
+    for k in range(11):
+        plan = solve(chain, low + (high - low) * k // 10, "hierarchical")
+        options = chosen_options(plan.schedule)
+        if any(first < last and any(first <= stage <= last for stage in options)
+               for first, last in merged_runs(plan.schedule, chain.length)):
+            return plan, chain
+    raise AssertionError("no plan runs an option inside a run of stages")
+
+
 def compiled_like_eager():
-    model = gpt()
+    model = MODELS["gpt-tiny"](layers=2, d=32, heads=2, seq=16, vocab=64, batch=4)
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1,
                           options=4)
-    low, high = minimum_budget(chain, options=True), store_all_peak(chain)
-    plan = solve(chain, (low + high) // 2, "hierarchical")
-    assert any(op.option is not None for op in plan.schedule)
+    plan, chain = plan_merging_an_option(chain)
     eager = step(model, apply_plan(model.stages, plan, chain))
     compiled_plan = apply_plan(model.stages, plan, chain, compile=True)
+    assert len(compiled_plan.stages) < chain.length  # merged (planner/execute/compiled_runs.py)
     compiled = step(model, compiled_plan)
     for got, expected in zip(compiled, eager):
         assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -134,6 +151,39 @@ def test_a_compiled_option_keeps_less_than_the_compiled_block():
     assert option_peak < 0.7 * compiled_plain_peak
     for grad, want in zip(got, expected):
         assert_close(grad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_merged_run_whose_option_writes_in_place_runs_stage_by_stage():
+    """BatchNorm's exported graph writes its statistics in place, so its option cannot be a compiled region: the
+    run holding it goes stage by stage, its gradients and statistics those of the eager plan."""
+    torch.manual_seed(0)
+    stages = [(f"b{i}", nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64)))
+              for i in range(4)]
+    x = torch.randn(512, 64)
+    chain = profile_chain(stages, x, warmup=0, repeats=1, options=4)
+    plan, chain = plan_merging_an_option(chain)
+    parameters = [p for _, module in stages for p in module.parameters()]
+    statistics = [b for _, module in stages for b in module.buffers()]
+
+    def trained(planned):
+        before = [b.clone() for b in statistics]
+        for p in parameters:
+            p.grad = None
+        planned(x).mean().backward()
+        after = [b.clone() for b in statistics]
+        for b, value in zip(statistics, before):
+            b.copy_(value)
+        return [p.grad.clone() for p in parameters], after
+
+    eager_grads, eager_statistics = trained(apply_plan(stages, plan, chain))
+    compiled_plan = apply_plan(stages, plan, chain, compile=True)
+    assert len(compiled_plan.stages) < chain.length
+    grads, statistics_after = trained(compiled_plan)
+    runs = [compiled_plan.compiled_stage(i) for i, module in enumerate(compiled_plan.modules_in_order)
+            if isinstance(module, MergedStages)]
+    assert any(run.stepwise is not None for run in runs)
+    for got, expected in zip(grads + statistics_after, eager_grads + eager_statistics):
+        assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("extra", [["--graph"]])

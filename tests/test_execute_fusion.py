@@ -146,3 +146,60 @@ def test_no_fusion_with_a_host_weight_stage():
     # With every stage host-weight, nothing fuses.
     schedule = with_host_weights(store_all(4), {0, 1, 2, 3})
     assert fused_positions(schedule) == (set(), set(), set())
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs merged for compiled plans
+
+
+def parsed(text: str) -> tuple:
+    """``"F_all 0, F_ck 1, Loss, B 1"`` as operations (``F_all 2/1``: with option 1)."""
+    ops = []
+    for item in text.split(", "):
+        kind, *rest = item.split()
+        stage, _, option = rest[0].partition("/") if rest else (None, "", "")
+        ops.append(Op(kind, None if stage is None else int(stage), option=int(option) if option else None))
+    return tuple(ops)
+
+
+def test_runs_the_schedule_always_runs_together_are_merged():
+    from planner.execute.fusion import merged_runs, merged_schedule
+
+    schedule = parsed("F_all 0, F_ck 1, F_all 2/2, F_all 3/2, F_all 4/1, F_all 5, Loss, B 5, B 4, B 3, B 2, "
+                      "F_all 1, B 1, B 0")
+    runs = merged_runs(schedule, 6)
+    assert runs == [(0, 0), (1, 1), (2, 5)]  # stage 0 then 1: F_all then F_ck, not together
+    assert merged_schedule(schedule, runs) == parsed("F_all 0, F_ck 1, F_all 2, Loss, B 2, F_all 1, B 1, B 0")
+    recomputed = parsed("F_ck 0, F_none 1, F_none 2, F_all 3, Loss, B 3, F_all 0/1, F_all 1, F_all 2, B 2, B 1, B 0")
+    runs = merged_runs(recomputed, 4)
+    assert runs == [(0, 2), (3, 3)]  # F_ck 0 + F_none 1 + F_none 2 is F_ck of the run
+    assert merged_schedule(recomputed, runs) == parsed("F_ck 0, F_all 1, Loss, B 1, F_all 0, B 0")
+    assert merged_runs(store_all(5), 5) == [(0, 4)]
+    # F_ck i followed by F_ck i+1 keeps a_{i+1}: not one operation of a merged stage
+    assert merged_runs(parsed("F_ck 0, F_ck 1, F_all 2, Loss, B 2, F_all 1, B 1, F_all 0, B 0"), 3) == [
+        (0, 0), (1, 1), (2, 2)]
+
+
+def test_merged_schedules_of_solved_plans_are_valid():
+    from planner.execute.fusion import merged_runs, merged_schedule
+    from planner.simulate import check_schedule
+    from profiles.synthetic import random_chain
+    from solvers import solve, store_all_peak
+    from solvers.minimum import minimum_budget
+
+    merged_some = 0
+    for seed in range(30):
+        chain = random_chain(8, seed, options=2)
+        low, high = minimum_budget(chain, options=True), store_all_peak(chain)
+        for budget in (low, (low + high) // 2, high):
+            schedule = solve(chain, budget, "hierarchical").schedule
+            runs = merged_runs(schedule, chain.length)
+            assert [first for first, _ in runs] == [0] + [last + 1 for _, last in runs[:-1]]
+            merged = merged_schedule(schedule, runs)
+            check_schedule(merged, len(runs))
+            firsts = {first for first, _ in runs}
+            assert [op.kind for op in merged if op.kind != "B"] == [
+                op.kind for op in schedule if op.kind == "Loss" or (op.kind != "B" and op.stage in firsts)]
+            assert sum(op.kind == "B" for op in merged) == len(runs)
+            merged_some += len(runs) < chain.length
+    assert merged_some > 30

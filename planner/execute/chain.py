@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import MemschedError
+from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
 from planner.execute.fusion import fused_positions, output_releases
 from planner.execute.host_weights import prepare_host_weights, weights_on_device
 from planner.execute.offload import OffloadStepRun
@@ -53,6 +54,8 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
                             "do not mix; solve with --solver hierarchical or an offload solver, not both")
     if compile and any(op.kind in TRANSFER_OPS for op in schedule):
         raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
+    if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
+        pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source, recomputes, compile)
 
 
@@ -146,7 +149,9 @@ class PlannedChain(torch.nn.Module):
         """Stage ``i`` through ``torch.compile`` (made on first use; without and with gradients it compiles
         twice, as any module run both ways)."""
         if i not in self._compiled_stages:
-            self._compiled_stages[i] = torch.compile(self.modules_in_order[i])
+            module = self.modules_in_order[i]
+            merged = isinstance(module, MergedStages)
+            self._compiled_stages[i] = CompiledRun(module) if merged else torch.compile(module)
         return self._compiled_stages[i]
 
     def graph_parameters(self, stages) -> list:

@@ -27,26 +27,24 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.execute.autograd import rng_devices
 
 
-class CompiledOption:
-    """``graph_module`` (a stage's graph) compiled with the operations ``dropped`` (graph nodes) recomputed in
-    its backward; ``args``: an example call, run once eagerly to learn the policy's order."""
+class SelectiveRegion:
+    """``graph_module`` (a stage's graph) under a selective checkpoint recomputing the operations ``dropped``
+    (graph nodes): a callable to run inside compiled code; ``args``: an example call, run once eagerly to learn
+    the policy's order."""
 
     def __init__(self, graph_module, dropped, args, name: str = "a stage"):
         dropped = set(dropped)
         self.decisions = [(spelling, _decision(node, dropped)) for spelling, node in _dispatches(graph_module, args)]
-        self.name = name
+        self.graph_module, self.name = graph_module, name
         self.warned = False
 
         def context():  # a plain function: dynamo keeps context_fn as one (a bound method loses its object)
             return create_selective_checkpoint_contexts(_Policy(self))
 
-        def forward(*inputs):
-            return checkpoint(graph_module, *inputs, use_reentrant=False, context_fn=context)
+        self.context = context
 
-        self.compiled = torch.compile(_own_code(forward))
-
-    def run(self, module, args):
-        return self.compiled(*args)
+    def __call__(self, *inputs):
+        return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=self.context)
 
     def misaligned(self, k: int, spelling: str) -> None:
         if not self.warned:
@@ -57,10 +55,25 @@ class CompiledOption:
                           f"(its peak may exceed the plan's)", stacklevel=2)
 
 
+class CompiledOption:
+    """One stage with an option, compiled: its :class:`SelectiveRegion` through ``torch.compile``."""
+
+    def __init__(self, graph_module, dropped, args, name: str = "a stage"):
+        region = SelectiveRegion(graph_module, dropped, args, name)
+
+        def forward(*inputs):
+            return region(*inputs)
+
+        self.compiled = torch.compile(own_code(forward))
+
+    def run(self, module, args):
+        return self.compiled(*args)
+
+
 class _Policy:
     """The selective-checkpoint policy of one trace: the ``k``-th dispatched operation gets the ``k``-th decision."""
 
-    def __init__(self, option: CompiledOption):
+    def __init__(self, option: SelectiveRegion):
         self.option, self.next, self.aligned = option, 0, True
 
     def __call__(self, ctx, op, *args, **kwargs):
@@ -106,7 +119,7 @@ def _spelling(op) -> str:
     return str(op).replace("aten._unsafe_view.", "aten.view.")
 
 
-def _own_code(function):
+def own_code(function):
     """``function`` with a code object of its own: torch.compile keeps compiled code per code object, so
     identical blocks sharing one would recompile in turn until its cache limit (8) sends the rest to eager."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,

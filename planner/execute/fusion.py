@@ -87,3 +87,54 @@ def _consecutive(ops) -> list:
             continue
         pairs.append((position, end))
     return pairs
+
+
+_FOLLOWER = {"F_all": "F_all", "F_ck": "F_none", "F_none": "F_none"}  # F_ck i, F_none i+1: F_ck of the two
+
+
+def merged_runs(schedule, length) -> list:
+    """``[(first, last), ...]``: the stages in order, in runs the schedule always runs together, so that a run
+    can be one compiled call: stages i and i+1 are in one run when every forward of stage i is directly followed
+    by one of stage i+1 (``F_all`` by ``F_all``, ``F_ck`` or ``F_none`` by ``F_none``), every ``B i+1`` directly
+    by ``B i``, and stage i+1 has no other operation. For a schedule without transfers."""
+    runs, first = [], 0
+    for stage in range(length - 1):
+        if not _together(schedule, stage):
+            runs.append((first, stage))
+            first = stage + 1
+    runs.append((first, length - 1))
+    return runs
+
+
+def merged_schedule(schedule, runs) -> tuple:
+    """``schedule`` over the ``runs`` of :func:`merged_runs` as stages: a run's forwards are those of its first
+    stage (their kinds; the options of a run of several stages are its stages' business), its ``B`` that of
+    its last."""
+    by_first = {first: k for k, (first, _) in enumerate(runs)}
+    by_last = {last: k for k, (_, last) in enumerate(runs)}
+    merged = []
+    for op in schedule:
+        if op.kind == "Loss":
+            merged.append(op)
+        elif op.kind == "B" and op.stage in by_last:
+            merged.append(Op("B", by_last[op.stage]))
+        elif op.kind in FORWARD_OPS and op.stage in by_first:
+            k = by_first[op.stage]
+            merged.append(Op(op.kind, k, option=op.option if runs[k][0] == runs[k][1] else None))
+    return tuple(merged)
+
+
+def _together(schedule, stage) -> bool:
+    lower = [p for p, op in enumerate(schedule) if op.stage == stage and op.kind != "Loss"]
+    upper = [p for p, op in enumerate(schedule) if op.stage == stage + 1 and op.kind != "Loss"]
+    if len(lower) != len(upper):
+        return False
+    for p in lower:
+        op = schedule[p]
+        if op.kind == "B":
+            if p == 0 or schedule[p - 1] != Op("B", stage + 1):
+                return False
+        elif op.kind not in _FOLLOWER or p + 1 == len(schedule) or (
+                schedule[p + 1].stage, schedule[p + 1].kind) != (stage + 1, _FOLLOWER[op.kind]):
+            return False
+    return True

@@ -111,6 +111,14 @@ def operations(graph_module) -> list:
     return [node for node in graph_module.graph.nodes if node.op == "call_function"]
 
 
+def writes_in_place(graph_module) -> bool:
+    """Whether an operation of the graph writes in place (an exported BatchNorm's running statistics): such a
+    graph cannot run inside a compiled selective checkpoint (planner/execute/compiled_option.py)."""
+    return any(isinstance(n.target, torch._ops.OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments)
+        for n in operations(graph_module))
+
+
 def recomputable(node) -> bool:
     """Whether an option may recompute ``node``: an ATen operation whose results are tensors, that writes
     nothing in place and is no normalisation updating running statistics (the recomputation would update them
@@ -240,10 +248,7 @@ def _prepared(module, recompute, compiled: bool, args) -> "_Selective":
         nodes = operations(graph_module)
         if recompute and max(recompute) >= len(nodes):
             raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
-        # A graph that writes in place (an exported BatchNorm's statistics) runs its option eagerly.
-        writes = any(isinstance(n.target, torch._ops.OpOverload) and any(
-            a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments) for n in nodes)
-        if compiled and not writes:
+        if compiled and not writes_in_place(graph_module):  # (one that does runs its option eagerly)
             prepared[key] = CompiledOption(graph_module, [nodes[p] for p in key[0]], args, type(module).__name__)
         else:
             prepared[key] = _Selective(graph_module, key[0])
