@@ -106,9 +106,11 @@ class PlannedChain(torch.nn.Module):
     inputs of the first call with gradients must be its inputs (later calls are not checked: a last, smaller
     batch runs). Building it puts the parameters of the schedule's host-weight stages on the host, and those an
     earlier schedule put there and this one does not back on their device (planner/execute/host_weights.py).
-    With ``compile`` each stage call goes through ``torch.compile``, a stage run with an option through its
-    compiled graph (planner/execute/selective.py); the chain model's bytes are then those of the eager
-    operations, which compiled code fuses and frees otherwise: measure compiled steps (torch.profiler on CPU).
+    With ``compile`` the stages the schedule always runs together are one stage run by one compiled call
+    (planner/execute/compiled_runs.py), any other stage call goes through ``torch.compile``, a stage with an
+    option as one compiled selective checkpoint (planner/execute/compiled_option.py); the chain model's bytes
+    are then those of the eager operations, which compiled code fuses and frees otherwise: measure compiled
+    steps (torch.profiler on CPU).
     """
 
     def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None,
