@@ -9,10 +9,11 @@ block, one thread: 19 ms a step against 52 ms for the pieces and 17 ms for the c
 The policy is called once per ATen operation the traced forward dispatches (one graph operation such as
 ``linear`` dispatches several: ``t``, ``addmm``, ``view``), in order, without naming the graph node it belongs
 to; which node each call belongs to is learnt from one eager run of the same checkpointed graph node by node
-(:func:`_dispatches`; the same operations in the same order, ``_unsafe_view`` traced as ``view``). A dropped
-operation's dispatches are recomputed, except random ones (inductor draws its own numbers for a recomputed
-one; it is saved instead); everything else is saved. Where the traced operations stop following the eager
-ones, the rest of the stage is saved and a warning says so. A graph that writes in place (an exported
+(:func:`_dispatches`), each traced operation placed in the node whose eager dispatches include it, from the
+last one placed on (:class:`_Policy`: traced code spells a few operations otherwise, ``_unsafe_view`` as
+``view``, a Hugging Face dropout as one ``native_dropout``). A dropped operation's dispatches are recomputed,
+except random ones (inductor draws its own numbers for a recomputed one; they are saved); everything else is
+saved. Where many traced operations find no node, a warning says so. A graph that writes in place (an exported
 BatchNorm's statistics) is not run here (planner/execute/selective.py runs its option eagerly).
 """
 
@@ -33,8 +34,13 @@ class SelectiveRegion:
     the policy's order."""
 
     def __init__(self, graph_module, dropped, args, name: str = "a stage"):
-        dropped = set(dropped)
-        self.decisions = [(spelling, _decision(node, dropped)) for spelling, node in _dispatches(graph_module, args)]
+        dropped, nodes = set(dropped), []  # [(node, its dispatches' spellings)] in dispatch order
+        for spelling, node in _dispatches(graph_module, args):
+            if not nodes or nodes[-1][0] is not node:
+                nodes.append((node, []))
+            nodes[-1][1].append(spelling)
+        self.decisions = [_decision(node, dropped) for node, _ in nodes]
+        self.spellings = [tuple(spellings) for _, spellings in nodes]
         self.graph_module, self.name = graph_module, name
         self.warned = False
 
@@ -46,13 +52,12 @@ class SelectiveRegion:
     def __call__(self, *inputs):
         return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=self.context)
 
-    def misaligned(self, k: int, spelling: str) -> None:
+    def misaligned(self, unplaced: int, seen: int) -> None:
         if not self.warned:
             self.warned = True
-            expected = self.decisions[k][0] if k < len(self.decisions) else "nothing"
-            warnings.warn(f"{self.name}'s option under torch.compile: traced operation {k} is {spelling} where the "
-                          f"eager graph dispatched {expected}; from there the stage keeps what it saves "
-                          f"(its peak may exceed the plan's)", stacklevel=2)
+            warnings.warn(f"{self.name}'s option under torch.compile: {unplaced} of the first {seen} traced "
+                          "operations are not among the eager graph's; they take the decision of the operation "
+                          "before them (the stage's peak may differ from the plan's)", stacklevel=2)
 
 
 class CompiledOption:
@@ -70,27 +75,41 @@ class CompiledOption:
         return self.compiled(*args)
 
 
-class _Policy:
-    """The selective-checkpoint policy of one trace: the ``k``-th dispatched operation gets the ``k``-th decision."""
+_LOOKAHEAD = 8  # graph nodes a traced operation may be ahead of the last one placed
 
-    def __init__(self, option: SelectiveRegion):
-        self.option, self.next, self.aligned = option, 0, True
+
+class _Policy:
+    """The selective-checkpoint policy of one trace. Each dispatched operation is placed in the first graph node,
+    from the last one placed on (at most :data:`_LOOKAHEAD` ahead), whose eager dispatches not yet matched
+    include its spelling, and takes that node's decision; one placed nowhere was spelled otherwise when traced
+    (a Hugging Face dropout is ``native_dropout`` traced, ``empty_like``, ``bernoulli_``, ``div_``, ``mul``
+    eagerly) and takes the decision of the node before it. A random operation is always saved (inductor
+    would draw other numbers when recomputing it)."""
+
+    def __init__(self, region: SelectiveRegion):
+        self.region, self.at = region, 0
+        self.left = [list(spellings) for spellings in region.spellings]
+        self.seen = self.unplaced = 0
 
     def __call__(self, ctx, op, *args, **kwargs):
-        k, self.next = self.next, self.next + 1
-        decisions = self.option.decisions
-        if self.aligned and k < len(decisions) and decisions[k][0] == _spelling(op):
-            return decisions[k][1]
-        if self.aligned:
-            self.aligned = False
-            self.option.misaligned(k, _spelling(op))
-        return CheckpointPolicy.MUST_SAVE
+        spelling = _spelling(op)
+        self.seen += 1
+        for m in range(self.at, min(self.at + _LOOKAHEAD, len(self.left))):
+            if spelling in self.left[m]:
+                self.left[m].remove(spelling)
+                self.at = m
+                break
+        else:
+            self.unplaced += 1
+            if self.seen >= 8 and 4 * self.unplaced > self.seen:
+                self.region.misaligned(self.unplaced, self.seen)
+        if not self.left or torch.Tag.nondeterministic_seeded in op.tags:
+            return CheckpointPolicy.MUST_SAVE
+        return self.region.decisions[self.at]
 
 
 def _decision(node, dropped) -> CheckpointPolicy:
-    random = isinstance(getattr(node, "target", None), torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in node.target.tags)
-    return CheckpointPolicy.MUST_RECOMPUTE if node in dropped and not random else CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if node in dropped else CheckpointPolicy.MUST_SAVE
 
 
 def _dispatches(graph_module, args) -> list:
