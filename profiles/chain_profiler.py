@@ -204,8 +204,8 @@ class _Runner:
 
     def __init__(self, device, warmup, repeats, fake_mode, throughput):
         self.device = torch.device(device)
-        self.warmup, self.repeats = warmup, repeats
         self.fake = fake_mode is not None
+        self.warmup, self.repeats = (0, 1) if self.fake else (warmup, repeats)  # FLOPs: the same on every run
         self.throughput = throughput
 
     def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
@@ -372,7 +372,7 @@ class _Runner:
         turn, ``2 * repeats + 1`` times (their difference is a few percent of either, the noise of this
         machine as much); at least 0."""
         differences = []
-        for run in range(self.warmup + 2 * self.repeats + 1):
+        for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
             times = []
             for call in (plain, option):
                 stage_input = _fresh_input(activation, needs_grad)
