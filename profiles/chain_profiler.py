@@ -352,16 +352,21 @@ class _Runner:
     def _meter(self):
         return LiveMemoryTracker() if self.fake else memory_meter(self.device)
 
+    def _timed_step(self, call, activation, needs_grad, module) -> tuple:
+        """``(forward, backward)`` seconds of one ``call`` on a fresh input and its backward (gradients cleared)."""
+        stage_input = _fresh_input(activation, needs_grad)
+        holder = {}
+        fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))
+        outputs = _tensors(holder.pop("output"))
+        bwd = self._flops_or_time(lambda: _backward(outputs, stage_input, module))
+        for parameter in _module_parameters(module):
+            parameter.grad = None
+        return fwd, bwd
+
     def _stage_times(self, call, activation, needs_grad, module):
         forward, backward = [], []
         for run in range(self.warmup + self.repeats):
-            stage_input = _fresh_input(activation, needs_grad)
-            holder = {}
-            fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))
-            outputs = _tensors(holder.pop("output"))
-            bwd = self._flops_or_time(lambda: _backward(outputs, stage_input, module))
-            for parameter in _module_parameters(module):
-                parameter.grad = None
+            fwd, bwd = self._timed_step(call, activation, needs_grad, module)
             if run >= self.warmup:
                 forward.append(fwd)
                 backward.append(bwd)
@@ -373,15 +378,7 @@ class _Runner:
         machine as much); at least 0."""
         differences = []
         for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
-            times = []
-            for call in (plain, option):
-                stage_input = _fresh_input(activation, needs_grad)
-                holder = {}
-                forward = self._flops_or_time(lambda: holder.update(output=call(stage_input)))  # noqa: B023
-                outputs = _tensors(holder.pop("output"))
-                times.append(forward + self._flops_or_time(lambda: _backward(outputs, stage_input, module)))  # noqa: B023
-                for parameter in _module_parameters(module):
-                    parameter.grad = None
+            times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, option)]
             if run >= self.warmup:
                 differences.append(times[1] - times[0])
         return max(0.0, statistics.median(differences))

@@ -63,9 +63,7 @@ class SelectiveRegion:
 class CompiledOption:
     """One stage with an option, compiled: its :class:`SelectiveRegion` through ``torch.compile``."""
 
-    def __init__(self, graph_module, dropped, args, name: str = "a stage"):
-        region = SelectiveRegion(graph_module, dropped, args, name)
-
+    def __init__(self, region: SelectiveRegion):
         def forward(*inputs):
             return region(*inputs)
 

@@ -19,9 +19,9 @@ import contextlib
 import torch
 
 from planner.execute.autograd import rng_devices, running_statistics_kept
-from planner.execute.compiled_option import SelectiveRegion, own_code
+from planner.execute.compiled_option import own_code
 from planner.execute.fusion import merged_runs, merged_schedule
-from planner.execute.selective import operations, run_with_option, stage_graph, writes_in_place
+from planner.execute.selective import compiled_region, run_with_option, stage_graph
 
 
 def merged_for_compile(pairs, schedule, recomputes) -> tuple:
@@ -95,13 +95,11 @@ class CompiledRun:
             for module, recompute, name in parts:
                 region = None
                 if recompute is not None:
-                    graph_module = stage_graph(module, (x, *extra))
-                    if writes_in_place(graph_module):
+                    region = compiled_region(stage_graph(module, (x, *extra)), recompute, (x, *extra), name)
+                    if region is None:  # its graph writes in place
                         self.stepwise = [torch.compile(part) for part in self.merged.parts]
                         self.regions = []
                         return
-                    nodes = operations(graph_module)
-                    region = SelectiveRegion(graph_module, [nodes[p] for p in recompute], (x, *extra), name)
                 regions.append(region)
                 with torch.no_grad():
                     x = module(x, *extra)

@@ -28,7 +28,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten
 
 from planner.execute.autograd import rng_devices, rng_state, set_rng_state
-from planner.execute.compiled_option import CompiledOption
+from planner.execute.compiled_option import CompiledOption, SelectiveRegion
 
 _EXPORTED = {}  # structure key -> an exported graph module of a stage with that structure
 _EXPORTS_KEPT = 16
@@ -248,11 +248,19 @@ def _prepared(module, recompute, compiled: bool, args) -> "_Selective":
         nodes = operations(graph_module)
         if recompute and max(recompute) >= len(nodes):
             raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
-        if compiled and not writes_in_place(graph_module):  # (one that does runs its option eagerly)
-            prepared[key] = CompiledOption(graph_module, [nodes[p] for p in key[0]], args, type(module).__name__)
-        else:
-            prepared[key] = _Selective(graph_module, key[0])
+        region = compiled_region(graph_module, key[0], args, type(module).__name__) if compiled else None
+        prepared[key] = CompiledOption(region) if region is not None else _Selective(graph_module, key[0])
     return prepared[key]
+
+
+def compiled_region(graph_module, recompute, args, name: str):
+    """The :class:`planner.execute.compiled_option.SelectiveRegion` running ``graph_module`` recomputing the
+    operations at positions ``recompute`` (``args``: an example call), or None where the graph writes in place
+    (its option then runs eagerly)."""
+    if writes_in_place(graph_module):
+        return None
+    nodes = operations(graph_module)
+    return SelectiveRegion(graph_module, [nodes[p] for p in recompute], args, name)
 
 
 def _note(value, index, held):
