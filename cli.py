@@ -20,11 +20,12 @@ from planner.graph import GRAPH_FORMAT, load_graph, save_graph
 from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
 from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, parameters_of
-from planner.transfer import Transfer
+from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
+from planner.updates import UPDATES
 from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
-from solvers.budgets import chain_budget, device_budget_report, solve_within, solved_lines, sweep
+from solvers.budgets import chain_budget, device_budget_report, solve_within, solved_lines, sweep, whole_step_floors
 from solvers.partition import partition
 
 MAX_POINTS = 1000  # pareto budgets: each is three solves
@@ -116,6 +117,8 @@ def _add_setup_arguments(parser, device_memory_only: bool = False) -> None:
     parser.add_argument("--device-memory", metavar="BYTES",
                         help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
                              "parameters, gradients and optimizer state are counted")
+    parser.add_argument("--update", choices=UPDATES, default="after",
+                        help="optimizer update after the backward, in it per stage (in-backward), or so on the host")
     if device_memory_only:
         return
     parser.add_argument("--optimizer", metavar="NAME",
@@ -138,8 +141,10 @@ def _given(args, *flags) -> list:
 
 
 def _setup(args):
-    """The :class:`planner.training_setup.TrainingSetup` the arguments give (defaults: adam, fp32, ZeRO 0, 1 rank)."""
-    return TrainingSetup(**{flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])})
+    """The :class:`planner.training_setup.TrainingSetup` the arguments give (default: adam, fp32, ZeRO 0, 1 rank)."""
+    update = {} if args.update == "after" else {"update": args.update}
+    return TrainingSetup(**{flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}, **update)
+
 
 
 def _chain_budget(args, chain):
@@ -155,16 +160,7 @@ def _chain_budget(args, chain):
 
 def _channel(args, chain=None, needed_by: str = None):
     """The copy channel the arguments give, else ``chain``'s, else None (refused if ``needed_by`` names a user)."""
-    if args.bandwidth is None:
-        if args.h2d_bandwidth is not None or args.latency is not None:
-            raise MemschedError("--h2d-bandwidth and --latency describe a channel: give its --bandwidth too")
-        if needed_by and (chain is None or chain.transfer is None):
-            raise MemschedError(f"{needed_by} moves data to host memory and needs the copy channel: give --bandwidth "
-                                "(e.g. 16GB/s), or profile the chain on CUDA, which measures it")
-        return chain.transfer if chain is not None else None
-    d2h = parse_bandwidth(args.bandwidth)
-    h2d = d2h if args.h2d_bandwidth is None else parse_bandwidth(args.h2d_bandwidth, "--h2d-bandwidth")
-    return Transfer(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=args.latency or 0.0)
+    return channel_from(args.bandwidth, args.h2d_bandwidth, args.latency, chain and chain.transfer, needed_by)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -371,8 +367,9 @@ def _train(args) -> None:
         return
     if args.time_limit is not None:
         raise MemschedError("--time-limit is for graph solvers: give it with --graph")
-    if args.plan and (args.device_memory is not None or args.budget == "auto"):
-        raise MemschedError("--budget auto and --device-memory size a budget to solve for: drop them with --plan")
+    if args.plan and (args.device_memory is not None or args.budget == "auto" or args.update != "after"):
+        raise MemschedError("--budget auto, --device-memory and --update are for solving: drop them with --plan "
+                            "(a plan records its update)")
     if args.plan:
         plan = load_plan(args.plan)
         check_plan_schedules(plan, args.plan)
@@ -399,7 +396,8 @@ def _train(args) -> None:
             print(note)
     if not args.plan:
         budget, how = _chain_budget(args, chain)
-        plan = solvers.solve(chain, budget, args.solver, **_offload_params(args, chain, args.solver))
+        plan = solve_within(chain, budget, args.solver, how, update=args.update,
+                            **_offload_params(args, chain, args.solver))
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
     comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile)
     print("\n".join(render.training_table(plan, comparison)))
@@ -466,14 +464,17 @@ def _solve(args) -> None:
     chain = load_chain(args.chain)
     budget, how = _chain_budget(args, chain)
     plan = solve_within(chain, budget, args.solver, how, slots=args.slots, segments=args.segments,
-                        snapshots=args.snapshots, **_offload_params(args, chain, args.solver))
-    _print_saved(solved_lines(plan, args.solver, chain, how), plan, args.output)
+                        snapshots=args.snapshots, update=args.update, **_offload_params(args, chain, args.solver))
+    floors = render.floor_lines(whole_step_floors(chain, _setup(args))) if how else []
+    _print_saved(solved_lines(plan, args.solver, chain, how) + floors, plan, args.output)
 
 
 def _offload_params(args, chain, solver: str) -> dict:
     """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers (refused for the others),
     and ``weights`` with the channel for ``--offload-weights`` (any solver)."""
     weights, schedule = getattr(args, "offload_weights", None), getattr(args, "schedule", None)
+    if args.update == "on-host" and solver not in solvers.OFFLOAD_SOLVERS and weights is None:
+        return {"transfer": _channel(args, chain, "--update on-host")}
     if solver in solvers.OFFLOAD_SOLVERS:
         return {"transfer": _channel(args, chain, solver), "schedule": schedule,
                 "time_limit": args.time_limit, "weights": weights}
@@ -489,7 +490,7 @@ def _offload_params(args, chain, solver: str) -> dict:
 
 
 def _refuse_auto_for_graphs(args) -> None:
-    given = _given(args, *_SETUP_FLAGS)
+    given = _given(args, *_SETUP_FLAGS) + (["--update"] if args.update != "after" else [])
     if args.budget == "auto" or given:
         raise MemschedError(f"{'--budget auto' if args.budget == 'auto' else given[0]} is for chain problems; a graph "
                             "counts its parameters in fixed_bytes: give the graph's budget in bytes or as a percentage")
@@ -574,11 +575,12 @@ def _memory(args) -> None:
     else:
         from profiles.estimate import estimate_chain
 
-        name, parameters, chain = estimate_chain(args.model, args.batch, with_chain=device_memory is not None)
+        name, parameters, chain = estimate_chain(args.model, args.batch, with_chain=True)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if device_memory is None
               else device_budget_report(chain, setup, device_memory, parameters))
-    print("\n".join(lines + render.setup_lines(setup, parameters) + budget))
+    print("\n".join(lines + render.setup_lines(setup, parameters) + budget
+                    + render.floor_lines(whole_step_floors(chain, setup))))
 
 
 def _partition(args) -> None:

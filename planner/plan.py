@@ -21,6 +21,7 @@ from planner.ops import FORWARD_OPS, GRAPH_OPS, ITEMS, OPS, TRANSFER_OPS, GraphO
 from planner.shared import shared_from_list
 from planner.training_setup import TrainingSetup
 from planner.transfer import Transfer
+from planner.updates import check_update
 
 PLAN_FORMAT = "memsched.plan/1"
 KINDS = ("chain", "graph", "pipeline")
@@ -28,7 +29,8 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # Micro-batches of one pipeline step: each is a forward and a backward on every device and a receive buffer on
 # each but the first (PyTorch's schedules), and at least one sample of the batch.
 MAX_MICRO_BATCHES = 2**20
-_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline")
+_PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline",
+                "update")
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
@@ -103,6 +105,9 @@ class Plan:
     transfer: Optional[Transfer] = None  # the copy channel an offload plan was solved for
     pipeline: Optional[Pipeline] = None  # the devices of a plan of kind "pipeline" (its schedule is empty)
     measured_on: Optional[MeasuredOn] = None  # the chain's, copied when solving: what the executor checks
+    # When the optimizer updates the parameters (planner/updates.py): a chain plan other than "after" was solved,
+    # and is simulated, on planner.updates.updated_chain of its chain (over ``transfer`` for "on-host").
+    update: str = "after"
 
     @property
     def moves_data(self) -> bool:
@@ -129,6 +134,7 @@ class Plan:
             **self._common_dict(),
             "schedule": [op.to_dict() for op in self.schedule],
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
+            **({} if self.update == "after" else {"update": self.update}),
         }
 
     def _common_dict(self) -> dict:
@@ -162,6 +168,12 @@ class Plan:
         elif "pipeline" in data:
             raise MemschedError(f"{where}: only a plan of kind 'pipeline' has a 'pipeline' object, not one of "
                                 f"kind {kind!r}")
+        update = check_update(data.get("update", "after"), f"{where}: update")
+        if update != "after" and kind != "chain":
+            raise MemschedError(f"{where}: only a plan of kind 'chain' updates in the backward (update "
+                                f"{update!r}), not one of kind {kind!r}")
+        if update == "on-host" and data.get("transfer") is None:
+            raise MemschedError(f"{where}: update 'on-host' copies over a channel: the plan needs its 'transfer'")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -205,6 +217,7 @@ class Plan:
                                                                                   f"{where}: transfer"),
             measured_on=None if problem.get("measured_on") is None else MeasuredOn.from_dict(
                 problem["measured_on"], f"{where}: problem.measured_on"),
+            update=update,
         )
 
 

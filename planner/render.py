@@ -353,6 +353,31 @@ def setup_lines(setup, parameters: int) -> list:
                     "gradients are made by the step, inside its budget", ""]
 
 
+_UPDATE_WORDS = {"after": "update after the backward", "in-backward": "update in the backward (--update in-backward)",
+                 "on-host": "update on the host (--update on-host)"}
+
+
+def floor_lines(floors) -> list:
+    """What sets the least memory of a whole step (:func:`solvers.budgets.whole_step_floors`): today's floor
+    (the update after the backward) in parts, then what each other update would make it."""
+    labels = {"params": "parameters", "master": "master copy", "optimizer": "optimizer state"}
+    first = floors[0]
+    parts = ", ".join(f"{labels[item]} {format_bytes(size)}" for item, size in first.parts.items() if size)
+    largest = max([(size, labels[item]) for item, size in first.parts.items()]
+                  + [(first.gradients, "gradients"), (first.step - first.gradients, "activations and temporaries")])
+    lines = [f"floor      {describe_bytes(first.total)} for the whole step ({_UPDATE_WORDS[first.update]}): "
+             f"resident {format_bytes(first.resident)} ({parts or 'nothing'}) + least step "
+             f"{format_bytes(first.step)}, which peaks at {first.at} holding {format_bytes(first.gradients)} of "
+             f"gradients and {format_bytes(first.step - first.gradients)} of activations and temporaries; the "
+             f"largest part: {largest[1]}"]
+    for floor in floors[1:]:
+        saved = first.total - floor.total
+        change = f"{saved / first.total:.0%} lower" if saved > 0 and first.total else "not lower"
+        lines.append(f"  with the {_UPDATE_WORDS[floor.update]}: {format_bytes(floor.total)}, {change} (resident "
+                     f"{format_bytes(floor.resident)}, least step {format_bytes(floor.step)})")
+    return lines
+
+
 def device_budget_lines(device_memory: int, budget: int, store_all_peak: int, least: int) -> list:
     """The step budget a device of ``device_memory`` bytes leaves, against the chain's store-all peak and its
     least feasible budget (bytes)."""

@@ -5,7 +5,9 @@ precision and the optimizer's state exist before the step starts and stay after 
 :class:`TrainingSetup` sizes them per device for an optimizer, a precision and a ZeRO stage over ``dp``
 data-parallel ranks (exact bytes per parameter, each item rounded up to whole bytes).
 :func:`activation_budget` turns a device's memory into the budget left for the chain's step (``--budget
-auto``) and :func:`describe_auto_budget` says how; :func:`setup_chain` scales a chain's gradients to a setup's.
+auto``) and :func:`describe_auto_budget` says how; :func:`setup_chain` scales a chain's gradients to a setup's and
+frees them as its optimizer update does (planner/updates.py). With the update ``on-host`` the master copy and the
+optimizer state live on the host (:meth:`TrainingSetup.host_bytes`), not on the device.
 The byte tables, the ZeRO sharding rules, and why the budget is safe (and by how much it is conservative)
 are in docs/model.md, "Whole-step memory".
 """
@@ -17,14 +19,15 @@ from fractions import Fraction
 
 from planner.errors import MemschedError
 from planner.units import describe_bytes, format_bytes
+from planner.updates import check_update, updated_chain
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adam8bit")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16: mixed precision with an fp32 master copy
 ZERO_STAGES = (0, 1, 2, 3)
 ITEMS = ("params", "grads", "master", "optimizer")
 
 # Bytes per parameter before sharding, as exact fractions.
-_OPTIMIZER_BYTES = {"sgd": Fraction(0), "momentum": Fraction(4), "adam": Fraction(8),
+_OPTIMIZER_BYTES = {"sgd": Fraction(0), "momentum": Fraction(4), "adam": Fraction(8), "adamw": Fraction(8),
                     "adam8bit": Fraction(2) + Fraction(2 * 4, 256)}  # two uint8 states + an fp32 absmax per 256
 _PRECISION_BYTES = {"fp32": {"params": Fraction(4), "grads": Fraction(4), "master": Fraction(0)},
                     "bf16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(4)},
@@ -36,12 +39,14 @@ PROFILE_GRADIENT_BYTES = 4  # chain profiles are fp32: param_bytes are 4 bytes p
 
 @dataclass(frozen=True)
 class TrainingSetup:
-    """How a model is trained: its optimizer, precision, ZeRO stage and data-parallel ranks."""
+    """How a model is trained: its optimizer, precision, ZeRO stage, data-parallel ranks, and when the optimizer
+    updates the parameters (planner/updates.py: after the backward, in it, or in it on the host)."""
 
     optimizer: str = "adam"
     precision: str = "fp32"
     zero: int = 0  # ZeRO stage 0..3
     dp: int = 1  # data-parallel ranks
+    update: str = "after"
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -53,6 +58,7 @@ class TrainingSetup:
             raise MemschedError(f"zero: the ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise MemschedError(f"dp: the number of data-parallel ranks must be a whole number >= 1, got {self.dp!r}")
+        check_update(self.update)
 
     def _exact(self) -> dict:
         """Bytes per parameter on one device, after sharding, as exact fractions."""
@@ -70,9 +76,20 @@ class TrainingSetup:
         return {item: math.ceil(value * parameters) for item, value in self._exact().items()}
 
     def resident_bytes(self, parameters: int) -> int:
-        """Per device: parameters, master copy and optimizer state (what exists before a step starts)."""
+        """Per device: parameters, master copy and optimizer state (what exists before a step starts); with the
+        update on the host, the parameters only."""
         sizes = self.breakdown(parameters)
+        if self.update == "on-host":
+            return sizes["params"]
         return sizes["params"] + sizes["master"] + sizes["optimizer"]
+
+    def host_bytes(self, parameters: int) -> int:
+        """Per device, what the update ``on-host`` keeps on the host: master copy, optimizer state and a buffer
+        the gradients are copied into (0 for the other updates)."""
+        if self.update != "on-host":
+            return 0
+        sizes = self.breakdown(parameters)
+        return sizes["master"] + sizes["optimizer"] + sizes["grads"]
 
     def gradient_bytes(self, parameters: int) -> int:
         """Per device: the parameter gradients, allocated during the step."""
@@ -82,7 +99,10 @@ class TrainingSetup:
         """``adam, bf16 mixed precision, ZeRO stage 2 over 8 data-parallel ranks``."""
         precision = "fp32" if self.precision == "fp32" else f"{self.precision} mixed precision (fp32 master copy)"
         zero = f"ZeRO stage {self.zero}" if self.zero else "no ZeRO"
-        return f"{self.optimizer}, {precision}, {zero}, {self.dp} data-parallel rank{'s' if self.dp != 1 else ''}"
+        update = {"after": "", "in-backward": ", update in the backward",
+                  "on-host": ", update in the backward on the host"}[self.update]
+        return (f"{self.optimizer}, {precision}, {zero}, {self.dp} data-parallel rank{'s' if self.dp != 1 else ''}"
+                f"{update}")
 
 
 def _check_parameters(parameters) -> None:
@@ -129,17 +149,18 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
     return budget
 
 
-def setup_chain(chain, setup: TrainingSetup):
-    """``chain`` with each stage's ``param_bytes`` scaled to the setup's gradients (rounded up): solved at
+def setup_chain(chain, setup: TrainingSetup, transfer=None):
+    """``chain`` with each stage's ``param_bytes`` scaled to the setup's gradients (rounded up) and freed as its
+    update frees them (:func:`planner.updates.updated_chain`, over ``transfer`` or the chain's channel): solved at
     ``device_memory - resident_bytes(parameters_of(chain))`` it plans exactly with 16-bit or sharded
     gradients (its fingerprint differs from ``chain``'s)."""
     total = chain_gradient_bytes(chain)
-    if total == 0:
-        return chain
-    target = setup.gradient_bytes(parameters_of(chain))
-    stages = tuple(dataclasses.replace(stage, param_bytes=-(-stage.param_bytes * target // total))
-                   for stage in chain.stages)
-    return dataclasses.replace(chain, stages=stages)
+    if total:
+        target = setup.gradient_bytes(parameters_of(chain))
+        stages = tuple(dataclasses.replace(stage, param_bytes=-(-stage.param_bytes * target // total))
+                       for stage in chain.stages)
+        chain = dataclasses.replace(chain, stages=stages)
+    return updated_chain(chain, setup.update, transfer)
 
 
 def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import planner.validate as validate
 from planner.errors import MemschedError
+from planner.units import parse_bandwidth
 
 TRANSFER_FIELDS = ("d2h_bandwidth", "h2d_bandwidth", "latency")
 
@@ -57,3 +58,19 @@ class Transfer:
 
 def _bandwidth(value, where: str) -> float:
     return validate.bandwidth(value, where, zero="no channel that way")
+
+
+def channel_from(bandwidth, h2d_bandwidth, latency, known=None, needed_by: str = None):
+    """The channel of the command-line flags ``--bandwidth`` (both ways unless ``--h2d-bandwidth``) and
+    ``--latency`` (None when not given), else ``known`` (a chain's), else None; a flag without ``--bandwidth``,
+    or no channel for ``needed_by`` (what needs one), is a one-line :class:`MemschedError`."""
+    if bandwidth is None:
+        if h2d_bandwidth is not None or latency is not None:
+            raise MemschedError("--h2d-bandwidth and --latency describe a channel: give its --bandwidth too")
+        if needed_by and known is None:
+            raise MemschedError(f"{needed_by} moves data to host memory and needs the copy channel: give --bandwidth "
+                                "(e.g. 16GB/s), or profile the chain on CUDA, which measures it")
+        return known
+    d2h = parse_bandwidth(bandwidth)
+    h2d = d2h if h2d_bandwidth is None else parse_bandwidth(h2d_bandwidth, "--h2d-bandwidth")
+    return Transfer(d2h_bandwidth=d2h, h2d_bandwidth=h2d, latency=latency or 0.0)

@@ -234,11 +234,15 @@ class _Runner:
             kept.update(storages(outputs))
             saved_bytes = sum(kept.values())
             gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
+            # An output no backward saved is not held at this stage's backward in the model (B k+1 released it):
+            # the executor drops it first, and so does the measured backward (release), from a start without it.
+            unsaved = sum(size for key, size in storages(outputs).items() if key not in packed and key not in not_kept)
             meter.reset_peak()
-            start = meter.current
-            _backward(outputs, stage_input, module)
+            start = meter.current - unsaved
+            del output
+            _backward(outputs, stage_input, module, release=True)
             backward_peak = meter.peak - start - gradient_bytes  # δ_{k+1}: resident in the model, made here
-            del packed, output, outputs, stage_input
+            del packed, outputs, stage_input
             meter.reset_peak()
             start = meter.current
             with torch.no_grad():
@@ -461,8 +465,12 @@ class _HandOver(torch.autograd.Function):
                         else t, tree)
 
 
-def _backward(outputs, stage_input, module) -> None:
+def _backward(outputs, stage_input, module, release: bool = False) -> None:
     """The stage's backward as in a whole chain: parameter gradients into ``.grad``, input gradients made.
+
+    ``release``: ``outputs`` (a list) is emptied once the backward's root is built, so that, as in the executor
+    (which keeps only the outputs' gradient edges), an output the backward saved dies when its operation's
+    backward has run, not at the end (a block ending in ReLU: its output, a whole activation, at the start).
 
     ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
     chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
@@ -478,6 +486,9 @@ def _backward(outputs, stage_input, module) -> None:
         root = differentiable[0]  # the loss: its gradient is the scalar 1
     else:
         root = sum(_IncomingGradient.apply(t).sum() for t in differentiable)
+    del differentiable
+    if release:
+        outputs.clear()
     results = list(torch.autograd.grad(root, targets + parameters, allow_unused=True))
     parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
     accumulate_grads(parameters, parameter_grads)

@@ -6,12 +6,14 @@ so that a load on the machine that comes and goes slows both alike.
 
 Each measured window is one forward, loss and backward, opened with gradients
 set to ``None`` and the optimizer's state already created; ``optimizer.step()``
-runs after it (parameters and optimizer state are outside the budget). Peaks
+runs after it (parameters and optimizer state are outside the budget), or inside
+it for a plan whose update is in the backward (planner/execute/updates.py). Peaks
 are counted as the simulator counts them: the inputs plus everything the step
 allocates, by the live-memory tracker on CPU and by CUDA's allocator
 statistics on a GPU. Times are wall clock with synchronisation.
 """
 
+import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -58,24 +60,43 @@ def autograd_step(forward, loss_fn, inputs):
     return step
 
 
-def measure_steps(step, parameters, optimizer, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:
-    """Run ``steps`` training steps, measuring each; ``step()`` runs forward, loss and backward, returns the loss.
+class Learner:
+    """How a measured step's model learns: the ``parameters`` whose gradients each step starts without, and
+    either ``optimizer`` (stepped after each step) or ``updates`` (a
+    :class:`planner.execute.updates.StageUpdates`: the step updates inside its backward, and a run that must not
+    count as a training step is rewound). ``timed_update``: the seconds of a step include its update (the
+    whole step, as an update inside the backward's do)."""
+
+    def __init__(self, parameters, optimizer=None, updates=None, timed_update: bool = False):
+        self.parameters, self.optimizer, self.updates = parameters, optimizer, updates
+        self.timed_update = timed_update or updates is not None
+
+    def update(self) -> None:
+        """After a step: the optimizer's update (none when the step made it)."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+
+def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:
+    """Run ``steps`` training steps of ``learner`` (:class:`Learner`), measuring each; ``step()`` runs forward,
+    loss and backward, returns the loss.
 
     A peak is ``resident_bytes`` (what the prediction counts as already there: the inputs for a chain, the
     graph's ``fixed_bytes`` for a graph) plus what the step allocates. On CPU each step runs twice: once under
     the live-memory tracker for its peak (``compiled`` code: torch.profiler's memory events, which see inside
-    it), whose hooks would slow it, then once timed; the optimizer steps on the timed run's gradients. On CUDA
-    one run gives both.
+    it), whose hooks would slow it, then once timed; the update uses the timed run's gradients (an update inside
+    the backward made by the tracked run is undone first). On CUDA one run gives both.
     """
     device = torch.device(device)
 
     def fresh_step():
-        for parameter in parameters:
+        for parameter in learner.parameters:
             parameter.grad = None
         return float(step().detach())
 
     measures = []
     for _ in range(steps):
+        saved = learner.updates.saved() if learner.updates is not None and device.type != "cuda" else None
         with memory_meter(device, compiled) as meter:
             start = meter.current
             if device.type == "cuda":
@@ -84,27 +105,35 @@ def measure_steps(step, parameters, optimizer, steps: int, device, resident_byte
             loss = fresh_step()
         peak = meter.peak - start
         if device.type == "cuda":
+            if learner.timed_update:
+                learner.update()
             torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
         else:
+            if saved is not None:
+                learner.updates.restore(saved)
+                del saved
             started = time.perf_counter()
             loss = fresh_step()
+            if learner.timed_update:
+                learner.update()
             seconds = time.perf_counter() - started
         measures.append(StepMeasure(peak_bytes=peak + resident_bytes, seconds=seconds, loss=loss))
-        optimizer.step()
+        if not learner.timed_update:
+            learner.update()
     return measures
 
 
-def measure_alternately(planned_step, plain_step, parameters, optimizer, steps: int, device,
+def measure_alternately(planned_step, plain_step, planned: Learner, plain: Learner, steps: int, device,
                         resident_bytes: int, compiled: bool = False) -> tuple:
     """``(planned, plain)``: ``steps`` measures of each (:class:`StepMeasure`), taken planned, plain, planned,
     plain, ... each as :func:`measure_steps` takes one (its peak in a window of its own, then its time), each
-    followed by its optimizer step."""
-    planned, plain = [], []
+    followed by its update (the two :class:`Learner` s may be one)."""
+    planned_measures, plain_measures = [], []
     for _ in range(steps):
-        planned += measure_steps(planned_step, parameters, optimizer, 1, device, resident_bytes, compiled)
-        plain += measure_steps(plain_step, parameters, optimizer, 1, device, resident_bytes, compiled)
-    return planned, plain
+        planned_measures += measure_steps(planned_step, planned, 1, device, resident_bytes, compiled)
+        plain_measures += measure_steps(plain_step, plain, 1, device, resident_bytes, compiled)
+    return planned_measures, plain_measures
 
 
 def input_bytes(inputs) -> int:
@@ -120,7 +149,7 @@ def on_device(stages, inputs, device) -> tuple:
 
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
-                      lr: float = 1e-3, compiled: bool = False) -> Comparison:
+                      lr: float = 1e-3, compiled: bool = False, updates=None, reference=None) -> Comparison:
     """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
     by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
     :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
@@ -129,29 +158,43 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     the first measured step, as in steady state. ``resident_bytes`` is what the plan's prediction counts as
     already allocated (the inputs for a chain, ``fixed_bytes`` for a graph): both runs' peaks count it.
     ``compiled``: the planned step runs compiled code, and so does the reference (each stage through
-    ``torch.compile``); both are measured by torch.profiler's memory events.
+    ``torch.compile``); both are measured by torch.profiler's memory events. ``updates`` (a
+    :class:`planner.execute.updates.StageUpdates`): the planned step updates ``stages`` inside its backward; the
+    reference then trains ``reference``, an untouched copy of them, with its own Adam, and both step times
+    include the update.
     """
-    parameters = trainable_parameters(stages)
-    optimizer = torch.optim.Adam(parameters, lr=lr)
-    for parameter in parameters:
-        parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
-    reference = [(name, torch.compile(module)) for name, module in stages] if compiled else stages
+    def learner(parameters, **given):
+        optimizer = torch.optim.Adam(parameters, lr=lr)
+        for parameter in parameters:
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()  # its state made, as in steady state (and as StageUpdates.warm_up makes the planned's)
+        return Learner(parameters, optimizer, **given)
+
+    if updates is None:
+        planned = plain = learner(trainable_parameters(stages))
+        reference = stages
+    else:
+        updates.warm_up()
+        planned = Learner(trainable_parameters(stages), updates=updates)
+        plain = learner(trainable_parameters(reference), timed_update=True)
+    reference = [(name, torch.compile(module)) for name, module in reference] if compiled else reference
     plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
-    planned, plain = measure_alternately(planned_step, plain_step, parameters, optimizer, steps, device,
-                                         resident_bytes, compiled)
-    return Comparison(planned=planned, plain=plain)
+    planned_measures, plain_measures = measure_alternately(planned_step, plain_step, planned, plain, steps, device,
+                                                           resident_bytes, compiled)
+    return Comparison(planned=planned_measures, plain=plain_measures)
 
 
 def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3,
                      compile: bool = False) -> Comparison:
     """:func:`train_and_compare` for a chain ``plan`` run by :func:`planner.execute.chain.apply_plan` on
     ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None),
-    through ``torch.compile`` with ``compile``."""
+    through ``torch.compile`` with ``compile``; a plan updating inside the backward runs Adam at ``lr`` there."""
     stages, inputs = on_device(model.stages, model.example_inputs, device)
-    step = autograd_step(apply_plan(stages, plan, chain, compile=compile), model.loss_fn or default_loss, inputs)
+    reference = copy.deepcopy(stages) if plan.update != "after" else None
+    planned = apply_plan(stages, plan, chain, compile=compile, optimizer="adam", lr=lr)
+    step = autograd_step(planned, model.loss_fn or default_loss, inputs)
     return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr,
-                             compiled=compile)
+                             compiled=compile, updates=planned.updates, reference=reference)
 
 
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:

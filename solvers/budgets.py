@@ -1,16 +1,20 @@
-"""Budgets of one chain: several solvers' overheads over evenly spaced budgets (``memsched pareto``), and what a
-device's memory leaves for the step (``memsched memory``, ``--budget auto``).
+"""Budgets of one chain: several solvers' overheads over evenly spaced budgets (``memsched pareto``), what a
+device's memory leaves for the step (``memsched memory``, ``--budget auto``), and what sets the least memory of
+a whole training step under each optimizer update (:func:`whole_step_floors`).
 """
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 from planner import render
 from planner.errors import MemschedError
 from planner.simulate import simulate
-from planner.training_setup import activation_budget, describe_auto_budget, parameters_of
+from planner.simulate.chain import ChainSimulator
+from planner.training_setup import activation_budget, describe_auto_budget, parameters_of, setup_chain
 from planner.units import describe_bytes, parse_budget
+from planner.updates import UPDATES, updated_chain
 from solvers import solve, store_all_peak
-from solvers.minimum import minimum_budget
+from solvers.minimum import least_memory_schedule, minimum_budget
 
 CURVES = ("rotor", "sqrt", "store_all")
 OFFLOAD_CURVES = ("pofo", "offload_greedy")  # pofo's table alone (not re-timed) and the greedy on store-all: fast
@@ -67,6 +71,47 @@ def device_budget_report(chain, setup, device_memory: int, parameters: int) -> l
     return lines + render.device_budget_lines(device_memory, budget, store_all_peak(chain), minimum_budget(chain))
 
 
+class Floor(NamedTuple):
+    """The least device memory of a whole training step under one optimizer ``update`` (bytes): what is
+    ``resident`` before the step (parameters, master copy, optimizer state: ``parts``), the least ``step``
+    budget, and at the peak of its least-memory schedule the operation there (``at``) and the ``gradients`` of
+    the backwards before it still held (the rest of the step's peak is activations and temporaries)."""
+
+    update: str
+    parts: dict
+    step: int
+    at: str
+    gradients: int
+
+    @property
+    def resident(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.step
+
+
+def whole_step_floors(chain, setup) -> list:
+    """A :class:`Floor` per update of :data:`planner.updates.UPDATES` for ``chain`` trained with ``setup``'s
+    optimizer, precision and ZeRO stage (its own update ignored): the least budget of
+    :func:`planner.training_setup.setup_chain` (stage options used) plus what the update leaves resident."""
+    parameters = parameters_of(chain)
+    floors = []
+    for update in UPDATES:
+        trained = dataclasses.replace(setup, update=update)
+        sized = trained.breakdown(parameters)
+        parts = {"params": sized["params"]} if update == "on-host" else {
+            item: sized[item] for item in ("params", "master", "optimizer")}
+        problem = setup_chain(chain, trained)
+        result = ChainSimulator(problem).run(least_memory_schedule(problem, options=True))
+        peak = max(result.timeline, key=lambda step: step.peak)
+        done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
+        gradients = sum(problem.stages[k].param_bytes for k in done)
+        floors.append(Floor(update, parts, result.peak_bytes, str(peak.op), gradients))
+    return floors
+
+
 def solve_within(chain, budget: int, solver: str, how: str = None, **options):
     """:func:`solvers.solve`; for a budget that a device's memory left (``how``: how, from
     :func:`planner.training_setup.describe_auto_budget`), a budget below the minimum feasible one is refused in
@@ -74,7 +119,7 @@ def solve_within(chain, budget: int, solver: str, how: str = None, **options):
     try:
         return solve(chain, budget, solver, **options)
     except MemschedError:
-        least = minimum_budget(chain) if how else None
+        least = minimum_budget(updated_chain(chain, options.get("update", "after"))) if how else None
         if least is not None and budget < least:
             raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
                                 f"{describe_bytes(least)} for chain {chain.name!r} ({how}): "

@@ -109,6 +109,9 @@ class PartitionProblem:
         self.chain, self.devices, self.memory, self.micro_batches = chain, devices, memory, micro_batches
         self.schedule, self.bandwidth, self.latency = schedule, bandwidth, float(latency)
         self.setup, self.slots = setup or TrainingSetup(), slots
+        if self.setup.update != "after":
+            raise MemschedError(f"partition: update {self.setup.update!r}: a pipeline accumulates gradients over "
+                                "micro-batches, which an update inside the backward cannot honour; update after it")
         self.length = chain.length
         self.rotor_calls = 0
         self._ranges, self._least, self._tables, self._rotors = {}, {}, {}, {}
@@ -444,7 +447,8 @@ def partition_plan(solution: PartitionSolution) -> Plan:
                              [o.result.sync for o in solution.options])
     pipeline = Pipeline(schedule=problem.schedule, micro_batches=problem.micro_batches,
                         bandwidth=None if problem.bandwidth is None else float(problem.bandwidth),
-                        latency=problem.latency, setup=asdict(problem.setup), devices=devices, shared=chain.shared)
+                        latency=problem.latency, setup=_setup_fields(problem.setup), devices=devices,
+                        shared=chain.shared)
     return Plan(problem_name=chain.name, fingerprint=chain.fingerprint(), solver="partition",
                 budget_bytes=problem.memory,
                 predicted=Predicted(peak_bytes=max(d.peak_bytes for d in devices), time=solution.time,
@@ -453,6 +457,11 @@ def partition_plan(solution: PartitionSolution) -> Plan:
                                      "options": [o.kind for o in solution.options]},
                 solve_seconds=solution.seconds, optimal=True, kind="pipeline", pipeline=pipeline,
                 measured_on=chain.measured_on)
+
+
+def _setup_fields(setup: TrainingSetup) -> dict:
+    """A pipeline plan's ``setup``: the fields of its TrainingSetup but the update (always after the backward)."""
+    return {field: value for field, value in asdict(setup).items() if field != "update"}
 
 
 def partition(chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",

@@ -10,7 +10,7 @@ import torch
 
 import cli
 from planner.render import time_comparison, time_spread
-from profiles.training import measure_alternately, measure_steps
+from profiles.training import Learner, measure_alternately, measure_steps
 
 TINY = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64,batch=4"
 
@@ -19,7 +19,7 @@ TINY = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64,batch=4"
 def setup():
     weight = torch.nn.Parameter(torch.ones(8))
     optimizer = torch.optim.SGD([weight], lr=0.0)
-    return weight, optimizer
+    return weight, Learner([weight], optimizer)
 
 
 def allocating_step(weight, floats, log, name):
@@ -35,15 +35,15 @@ def allocating_step(weight, floats, log, name):
 
 
 def test_steps_alternate_and_each_peak_is_its_own():
-    weight, optimizer = setup()
+    weight, learner = setup()
     log = []
     planned, plain = measure_alternately(allocating_step(weight, 1000, log, "planned"),
-                                         allocating_step(weight, 5000, log, "plain"), [weight], optimizer, 3, "cpu",
+                                         allocating_step(weight, 5000, log, "plain"), learner, learner, 3, "cpu",
                                          resident_bytes=100)
     # on CPU each measure runs the step twice: once under the tracker for its peak, once timed
     assert log == ["planned", "planned", "plain", "plain"] * 3
-    alone = measure_steps(allocating_step(weight, 1000, [], "planned"), [weight], optimizer, 1, "cpu", 100)[0]
-    plain_alone = measure_steps(allocating_step(weight, 5000, [], "plain"), [weight], optimizer, 1, "cpu", 100)[0]
+    alone = measure_steps(allocating_step(weight, 1000, [], "planned"), learner, 1, "cpu", 100)[0]
+    plain_alone = measure_steps(allocating_step(weight, 5000, [], "plain"), learner, 1, "cpu", 100)[0]
     assert [m.peak_bytes for m in planned] == [alone.peak_bytes] * 3
     assert [m.peak_bytes for m in plain] == [plain_alone.peak_bytes] * 3
     assert plain_alone.peak_bytes - alone.peak_bytes == 4000 * 4  # the tracker's own count, not a copy of it
@@ -63,26 +63,26 @@ def sleeping_step(weight, seconds, load):
 def test_a_load_that_comes_and_goes_is_not_taken_for_overhead():
     """The same step as plan and as reference, the machine loaded for the second half of the run: one after
     the other, the second's steps all fall in the load (-67%); alternating, both see it alike."""
-    weight, optimizer = setup()
+    weight, learner = setup()
     steps = 4
     calls = 2 * 2 * steps  # two runs per measure on CPU
     load = [False] * (calls // 2) + [True] * (calls // 2)
     step = sleeping_step(weight, 0.03, load)
-    first = measure_steps(step, [weight], optimizer, steps, "cpu", 0)
-    second = measure_steps(step, [weight], optimizer, steps, "cpu", 0)
+    first = measure_steps(step, learner, steps, "cpu", 0)
+    second = measure_steps(step, learner, steps, "cpu", 0)
     one_after_the_other = time_comparison([m.seconds for m in first], [m.seconds for m in second], 0.0)
     assert float(re.search(r"([+-]\d+\.\d)%", one_after_the_other).group(1)) < -40  # -67% without jitter
     load[:] = [False] * (calls // 2) + [True] * (calls // 2)
-    planned, plain = measure_alternately(step, step, [weight], optimizer, steps, "cpu", 0)
+    planned, plain = measure_alternately(step, step, learner, learner, steps, "cpu", 0)
     line = time_comparison([m.seconds for m in planned], [m.seconds for m in plain], 0.0)
     assert line.startswith("not comparable on this machine now (spread ±"), line
 
 
 def test_a_steady_difference_is_stated_with_its_spread():
-    weight, optimizer = setup()
+    weight, learner = setup()
     planned_step = sleeping_step(weight, 0.04, [False] * 10)
     plain_step = sleeping_step(weight, 0.02, [False] * 10)
-    planned, plain = measure_alternately(planned_step, plain_step, [weight], optimizer, 5, "cpu", 0)
+    planned, plain = measure_alternately(planned_step, plain_step, learner, learner, 5, "cpu", 0)
     line = time_comparison([m.seconds for m in planned], [m.seconds for m in plain], 1.0)
     if line.startswith("not comparable"):  # sleeps overshot: a loaded machine; the rule itself is checked below
         pytest.skip(f"this machine is too loaded for 20 ms sleeps now: {line}")

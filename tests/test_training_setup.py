@@ -11,7 +11,7 @@ from profiles.synthetic import random_chain
 
 # (params, grads, master) by precision; optimizer state by optimizer; unsharded bytes per parameter.
 PRECISION_TABLE = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4)}
-OPTIMIZER_TABLE = {"sgd": 0, "momentum": 4, "adam": 8, "adam8bit": 2 + 2 * 4 / 256}  # adam8bit: 2.03125
+OPTIMIZER_TABLE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2 + 2 * 4 / 256}  # adam8bit: 2.03125
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -80,12 +80,13 @@ def test_fractional_bytes_round_up_per_item():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"optimizer": "lamb"}, ["optimizer", "'lamb'", "sgd, momentum, adam, adam8bit"]),
+    ({"optimizer": "lamb"}, ["optimizer", "'lamb'", "sgd, momentum, adam, adamw, adam8bit"]),
     ({"precision": "fp8"}, ["precision", "'fp8'", "fp32, bf16, fp16"]),
     ({"zero": 4}, ["zero", "0, 1, 2 or 3", "4"]),
     ({"zero": -1}, ["zero", "-1"]),
     ({"zero": 1.0}, ["zero", "1.0"]),
     ({"dp": 0}, ["dp", ">= 1", "0"]),
+    ({"update": "later"}, ["update", "'later'", "after, in-backward, on-host"]),
 ])
 def test_invalid_setups_are_refused_in_one_line(fields, words):
     with pytest.raises(MemschedError) as caught:

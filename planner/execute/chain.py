@@ -21,6 +21,7 @@ from planner.execute.offload import OffloadStepRun
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import named_stages
 from planner.execute.steprun import StepRun
+from planner.execute.updates import StageUpdates
 from planner.measured_on import record_of
 from planner.ops import FORWARD_OPS, TRANSFER_OPS, chosen_options, planned_stages
 from planner.plan import Plan, check_plan_matches
@@ -28,7 +29,7 @@ from planner.simulate import check_schedule
 
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
-                   recomputes=None, compile: bool = False) -> "PlannedChain":
+                   recomputes=None, compile: bool = False, update: tuple = None) -> "PlannedChain":
     """A module running ``stages`` by the chain ``schedule`` (its stage count and the simulator's rules checked
     first, nothing run).
 
@@ -39,7 +40,9 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     several backwards (a pipeline's micro-batches). Schedules with transfers always fuse as their executor
     decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them. ``recomputes``: for each stage
     whose ``F_all`` runs with an option, the option's ``recompute`` positions (:class:`planner.chain.StageOption`).
-    ``compile``: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`).
+    ``compile``: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`). ``update``:
+    ``(update, optimizer, lr)`` for an optimizer update inside the backward (planner/execute/updates.py); each
+    stage's backward then runs on its own (``fuse=False``), its gradients updated and freed after it.
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
@@ -54,14 +57,20 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
                             "do not mix; solve with --solver hierarchical or an offload solver, not both")
     if compile and any(op.kind in TRANSFER_OPS for op in schedule):
         raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
+    if update is not None and any(op.kind in TRANSFER_OPS for op in schedule):
+        raise MemschedError(f"update {update[0]!r} runs plans without transfers; solve without offloading")
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
-    return PlannedChain(pairs, tuple(schedule), fuse, measured_on, source, recomputes, compile)
+    return PlannedChain(pairs, tuple(schedule), fuse and update is None, measured_on, source, recomputes, compile,
+                        update)
 
 
-def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False) -> "PlannedChain":
+def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False, optimizer: str = "adam",
+               lr: float = 1e-3) -> "PlannedChain":
     """:func:`apply_schedule` of ``plan``'s schedule, once the plan is checked: of kind chain, a channel recorded
-    when it moves data; with ``chain``, its fingerprint and stage names.
+    when it moves data; with ``chain``, its fingerprint and stage names. A plan whose optimizer updates inside
+    the backward (``plan.update``) runs ``optimizer`` at ``lr`` there (planner/execute/updates.py): its call
+    then trains, and the caller runs no ``optimizer.step()``.
 
     What the chain was measured on (``chain.measured_on``, else the plan's copy of it) is checked too, when
     recorded: each stage's parameters here, the inputs at the module's first call with gradients; a
@@ -88,7 +97,8 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
         measured.check_stages(stage_specs(pairs), source)
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
-    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes, compile)
+    update = None if plan.update == "after" else (plan.update, optimizer, lr)
+    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes, compile, update)
 
 
 def _stage_count(schedule, pairs) -> int:
@@ -110,11 +120,12 @@ class PlannedChain(torch.nn.Module):
     (planner/execute/compiled_runs.py), any other stage call goes through ``torch.compile``, a stage with an
     option as one compiled selective checkpoint (planner/execute/compiled_option.py); the chain model's bytes
     are then those of the eager operations, which compiled code fuses and frees otherwise: measure compiled
-    steps (torch.profiler on CPU).
+    steps (torch.profiler on CPU). With ``update`` (see :func:`apply_schedule`) its backward updates the
+    parameters (:attr:`updates`, a :class:`planner.execute.updates.StageUpdates`).
     """
 
     def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None,
-                 compile: bool = False):
+                 compile: bool = False, update: tuple = None):
         super().__init__()
         self.compiled = compile
         self._compiled_stages = {}
@@ -146,6 +157,7 @@ class PlannedChain(torch.nn.Module):
         # taken when the module is built, as an optimizer takes them.
         self.modules_in_order = list(self.stages)
         self._graph_parameters = {}
+        self.updates = None if update is None else StageUpdates(self.modules_in_order, *update)
 
     def compiled_stage(self, i):
         """Stage ``i`` through ``torch.compile`` (made on first use; without and with gradients it compiles
@@ -209,6 +221,8 @@ class _Schedule(torch.autograd.Function):
         run = ctx.run
         del ctx.run
         planned = run.planned
+        if planned.updates is not None:
+            planned.updates.check_no_gradients()
         with torch.enable_grad():
             for position in planned.backward_positions:
                 run.run(position)

@@ -159,6 +159,8 @@ class StepRun:
         del inputs
         parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
         accumulate_grads(parameters, parameter_grads)
+        if self.planned.updates is not None:  # the optimizer update inside the backward (planner/execute/updates.py)
+            self.planned.updates.after_backward(i)
         by_target = iter(results[:len(targets)])
         self.grads[first] = [next(by_target) if t.requires_grad else None for t in leaves]
         for k, tensor in enumerate(extras):  # extra inputs (an encoder's output) gather gradients from every stage

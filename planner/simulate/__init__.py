@@ -19,6 +19,7 @@ from planner.simulate.offload import OffloadSimulator
 from planner.simulate.pipeline import pipeline_result, to_local
 from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
+from planner.updates import updated_chain
 
 __all__ = ["simulate", "check_schedule", "check_plan_schedules"]
 
@@ -31,7 +32,9 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
 
     ``problem`` is a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`. A chain schedule with
     transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
-    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A plan of kind ``pipeline``
+    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan whose optimizer
+    updates in the backward is replayed on :func:`planner.updates.updated_chain` of the chain. A plan of kind
+    ``pipeline``
     gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
     :class:`planner.simulate.replay.SimResult`.
     """
@@ -41,6 +44,7 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
             return pipeline_result(problem, plan_or_schedule.pipeline)
         schedule = plan_or_schedule.schedule
         transfer = plan_or_schedule.transfer or transfer
+        problem = updated_chain(problem, plan_or_schedule.update, transfer)
     else:
         schedule = plan_or_schedule
     if isinstance(problem, Graph):
