@@ -22,7 +22,8 @@ from profiles.options import DEFAULT_OPTIONS
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
-        stage_options: int = DEFAULT_OPTIONS, compile: bool = False, **options) -> "FittedModel":
+        stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
+        **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -34,10 +35,14 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     other shapes, dtypes or arguments is refused in one line, or planned for anew with ``replan=True`` (the
     plans kept per layout). ``warmup`` and ``repeats``: the profiler's runs per stage; ``max_stages``: at most
     that many stages; ``stage_options``: candidates measured per distinct stage (profiles/options.py; 0:
-    none); ``compile``: the plan runs through ``torch.compile`` (planner/execute/chain.py).
+    none); ``compile``: the plan runs through ``torch.compile`` (planner/execute/chain.py). With the option
+    ``update="in-backward"`` (or ``"on-host"``, with a ``transfer`` channel: planner/updates.py) the backward
+    also updates the parameters, by ``optimizer`` (sgd, momentum, adam, adamw) at ``lr``, freeing each stage's
+    gradients as it goes: the loop is ``fitted(**batch).backward()``, without an optimizer of its own.
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
-                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, options=options)
+                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
+                       options=dict(options, optimizer=optimizer, lr=lr))
 
 
 @dataclasses.dataclass
@@ -75,10 +80,13 @@ class FittedModel(torch.nn.Module):
         chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
                               repeats=s["repeats"], name=staged.name, options=s["stage_options"])
         budget = _budget_bytes(s["budget"], chain)
-        plan = solvers.solve(chain, budget, s["solver"], **s["options"])
+        options = dict(s["options"])
+        optimizer, lr = options.pop("optimizer"), options.pop("lr")
+        plan = solvers.solve(chain, budget, s["solver"], **options)
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
-        planned = _Planned(discovery, chain, plan, apply_plan(staged.stages, plan, chain, compile=s["compile"]))
+        run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
+        planned = _Planned(discovery, chain, plan, run)
         self._plans.append(planned)
         return planned
 

@@ -48,6 +48,7 @@ class Comparison:
 
     planned: list
     plain: list
+    resident_bytes: int = 0  # the planned model's parameters and optimizer state on the device (Learner's)
 
 
 def autograd_step(forward, loss_fn, inputs):
@@ -75,6 +76,15 @@ class Learner:
         """After a step: the optimizer's update (none when the step made it)."""
         if self.optimizer is not None:
             self.optimizer.step()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the storages of the parameters and of the optimizer state on their device (an update on the
+        host keeps its state there: not counted), as they are now."""
+        optimizers = [self.optimizer] if self.optimizer is not None else (
+            [] if self.updates.on_host else list(self.updates.optimizers.values()))
+        state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
+                 if isinstance(value, torch.Tensor)]
+        return storage_bytes(list(self.parameters) + state)
 
 
 def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:
@@ -149,7 +159,8 @@ def on_device(stages, inputs, device) -> tuple:
 
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
-                      lr: float = 1e-3, compiled: bool = False, updates=None, reference=None) -> Comparison:
+                      lr: float = 1e-3, compiled: bool = False, updates=None, reference=None,
+                      whole_step: bool = False) -> Comparison:
     """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
     by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
     :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
@@ -161,7 +172,7 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     ``torch.compile``); both are measured by torch.profiler's memory events. ``updates`` (a
     :class:`planner.execute.updates.StageUpdates`): the planned step updates ``stages`` inside its backward; the
     reference then trains ``reference``, an untouched copy of them, with its own Adam, and both step times
-    include the update.
+    include the update (``whole_step``: also without ``updates``).
     """
     def learner(parameters, **given):
         optimizer = torch.optim.Adam(parameters, lr=lr)
@@ -171,7 +182,7 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
         return Learner(parameters, optimizer, **given)
 
     if updates is None:
-        planned = plain = learner(trainable_parameters(stages))
+        planned = plain = learner(trainable_parameters(stages), timed_update=whole_step)
         reference = stages
     else:
         updates.warm_up()
@@ -181,20 +192,21 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
     planned_measures, plain_measures = measure_alternately(planned_step, plain_step, planned, plain, steps, device,
                                                            resident_bytes, compiled)
-    return Comparison(planned=planned_measures, plain=plain_measures)
+    return Comparison(planned=planned_measures, plain=plain_measures, resident_bytes=planned.resident_bytes())
 
 
 def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3,
-                     compile: bool = False) -> Comparison:
+                     compile: bool = False, whole_step: bool = False) -> Comparison:
     """:func:`train_and_compare` for a chain ``plan`` run by :func:`planner.execute.chain.apply_plan` on
     ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None),
-    through ``torch.compile`` with ``compile``; a plan updating inside the backward runs Adam at ``lr`` there."""
+    through ``torch.compile`` with ``compile``; a plan updating inside the backward runs Adam at ``lr`` there.
+    ``whole_step``: the step times include the optimizer update whatever the plan's."""
     stages, inputs = on_device(model.stages, model.example_inputs, device)
     reference = copy.deepcopy(stages) if plan.update != "after" else None
     planned = apply_plan(stages, plan, chain, compile=compile, optimizer="adam", lr=lr)
     step = autograd_step(planned, model.loss_fn or default_loss, inputs)
     return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr,
-                             compiled=compile, updates=planned.updates, reference=reference)
+                             compiled=compile, updates=planned.updates, reference=reference, whole_step=whole_step)
 
 
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:

@@ -52,6 +52,31 @@ def test_fit_trains_three_adam_steps_with_the_unmodified_models_losses(gpt2):
         assert torch.equal(p, q), name
 
 
+def test_fit_with_the_update_in_the_backward_trains_as_adam_after_it(gpt2):
+    """``fit(..., update="in-backward")``: the loop has no optimizer; the losses and parameters are torch.optim
+    Adam's (to the rounding of the fused kernel against the default one)."""
+    from planner import fit
+
+    model, batch = gpt2
+    model, twin = copy.deepcopy(model), copy.deepcopy(model)
+    fitted = fit(model, batch, "40%", update="in-backward", optimizer="adam", lr=1e-2)
+    assert fitted.plan.update == "in-backward"
+    theirs = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = fitted(**batch)
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # each freed once its update ran
+        torch.manual_seed(step)
+        expected = twin(**batch).loss
+        expected.backward()
+        theirs.step()
+        theirs.zero_grad()
+        assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5), step
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_a_fitted_step_measures_its_prediction(gpt2, threads):
     from planner import fit
     from profiles.memory import storage_bytes
