@@ -25,7 +25,7 @@ from planner.units import parse_bandwidth, parse_budget
 from planner.updates import UPDATES
 from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
-from solvers.budgets import chain_budget, device_budget_report, solve_within, solved_lines, sweep, whole_step_floors
+from solvers.budgets import device_budget_report, solve_for_budget, solved_lines, sweep, whole_step_floors
 from solvers.partition import partition
 
 MAX_POINTS = 1000  # pareto budgets: each is three solves
@@ -117,8 +117,9 @@ def _add_setup_arguments(parser, device_memory_only: bool = False) -> None:
     parser.add_argument("--device-memory", metavar="BYTES",
                         help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
                              "parameters, gradients and optimizer state are counted")
-    parser.add_argument("--update", choices=UPDATES, default="after",
-                        help="optimizer update after the backward, in it per stage (in-backward), or so on the host")
+    parser.add_argument("--update", choices=UPDATES + ("auto",), default="after",
+                        help="optimizer update after the backward, in it per stage (in-backward), or so on the host; "
+                             "auto: the fastest of them that fits --device-memory")
     if device_memory_only:
         return
     parser.add_argument("--optimizer", metavar="NAME",
@@ -142,20 +143,22 @@ def _given(args, *flags) -> list:
 
 def _setup(args):
     """The :class:`planner.training_setup.TrainingSetup` the arguments give (default: adam, fp32, ZeRO 0, 1 rank)."""
-    update = {} if args.update == "after" else {"update": args.update}
+    update = {} if args.update in ("after", "auto") else {"update": args.update}
     return TrainingSetup(**{flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}, **update)
 
 
 
-def _chain_budget(args, chain):
-    """``(budget, how)`` by :func:`solvers.budgets.chain_budget`; the setup flags are refused but with --budget auto."""
+def _solved(args, chain, **options) -> tuple:
+    """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`; the setup flags are refused but with --budget
+    auto."""
     given = _given(args, *_SETUP_FLAGS)
     if args.budget != "auto" and given:
         raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "
                             "give --budget auto with it, or drop it")
-    if args.budget != "auto" or args.device_memory is None:
-        return chain_budget(chain, args.budget)
-    return chain_budget(chain, "auto", parse_budget(args.device_memory, what="--device-memory"), _setup(args))
+    auto = args.budget == "auto" and args.device_memory is not None
+    memory = parse_budget(args.device_memory, what="--device-memory") if auto else None
+    return solve_for_budget(chain, args.budget, args.solver, memory, _setup(args), args.update,
+                            **_offload_params(args, chain, args.solver), **options)
 
 
 def _channel(args, chain=None, needed_by: str = None):
@@ -395,9 +398,7 @@ def _train(args) -> None:
         if note:
             print(note)
     if not args.plan:
-        budget, how = _chain_budget(args, chain)
-        plan = solve_within(chain, budget, args.solver, how, update=args.update,
-                            **_offload_params(args, chain, args.solver))
+        plan, how = _solved(args, chain)
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
     comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile)
     print("\n".join(render.training_table(plan, comparison)))
@@ -462,9 +463,7 @@ def _solve(args) -> None:
         raise MemschedError("--max-computations, --first-order, --backend and --gap are for graph problems "
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
-    budget, how = _chain_budget(args, chain)
-    plan = solve_within(chain, budget, args.solver, how, slots=args.slots, segments=args.segments,
-                        snapshots=args.snapshots, update=args.update, **_offload_params(args, chain, args.solver))
+    plan, how = _solved(args, chain, slots=args.slots, segments=args.segments, snapshots=args.snapshots)
     floors = render.floor_lines(whole_step_floors(chain, _setup(args))) if how else []
     _print_saved(solved_lines(plan, args.solver, chain, how) + floors, plan, args.output)
 
@@ -473,8 +472,8 @@ def _offload_params(args, chain, solver: str) -> dict:
     """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers (refused for the others),
     and ``weights`` with the channel for ``--offload-weights`` (any solver)."""
     weights, schedule = getattr(args, "offload_weights", None), getattr(args, "schedule", None)
-    if args.update == "on-host" and solver not in solvers.OFFLOAD_SOLVERS and weights is None:
-        return {"transfer": _channel(args, chain, "--update on-host")}
+    if args.update in ("on-host", "auto") and solver not in solvers.OFFLOAD_SOLVERS and weights is None:
+        return {"transfer": _channel(args, chain, "--update on-host" if args.update == "on-host" else None)}
     if solver in solvers.OFFLOAD_SOLVERS:
         return {"transfer": _channel(args, chain, solver), "schedule": schedule,
                 "time_limit": args.time_limit, "weights": weights}

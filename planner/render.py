@@ -366,10 +366,10 @@ def floor_lines(floors) -> list:
     largest = max([(size, labels[item]) for item, size in first.parts.items()]
                   + [(first.gradients, "gradients"), (first.step - first.gradients, "activations and temporaries")])
     lines = [f"floor      {describe_bytes(first.total)} for the whole step ({_UPDATE_WORDS[first.update]}): "
-             f"resident {format_bytes(first.resident)} ({parts or 'nothing'}) + least step "
-             f"{format_bytes(first.step)}, which peaks at {first.at} holding {format_bytes(first.gradients)} of "
-             f"gradients and {format_bytes(first.step - first.gradients)} of activations and temporaries; the "
-             f"largest part: {largest[1]}"]
+             f"resident {format_bytes(first.resident)} ({parts or 'nothing'}) + least step {format_bytes(first.step)}",
+             f"  set by {largest[1]}, the largest part; the least step peaks at {first.at} holding "
+             f"{format_bytes(first.gradients)} of gradients, {format_bytes(first.step - first.gradients)} of "
+             "activations and temporaries"]
     for floor in floors[1:]:
         saved = first.total - floor.total
         change = f"{saved / first.total:.0%} lower" if saved > 0 and first.total else "not lower"

@@ -127,6 +127,43 @@ def solve_within(chain, budget: int, solver: str, how: str = None, **options):
         raise
 
 
+def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None, setup=None, update: str = "after",
+                     **options) -> tuple:
+    """``(plan, how)``: :func:`solve_within` at ``budget`` as :func:`chain_budget` reads it (``setup`` with
+    ``update``), ``how`` saying how ``--budget auto`` came about (None otherwise).
+
+    ``update="auto"`` (with ``--budget auto``: the resident state differs between updates) solves for each of
+    :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host`` only over a usable
+    channel, ``transfer`` or the chain's) and keeps the fastest predicted plan (the first on a tie: after the
+    backward, then in it), saying what the others took."""
+    if update != "auto":
+        trained = None if setup is None else dataclasses.replace(setup, update=update)
+        amount, how = chain_budget(chain, budget, device_memory, trained)
+        return solve_within(chain, amount, solver, how, update=update, **options), how
+    if budget != "auto" or device_memory is None:
+        raise MemschedError("--update auto compares whole steps, whose resident state differs by update: give "
+                            "--budget auto and --device-memory")
+    transfer = options.pop("transfer", None) or chain.transfer
+    best, tried = None, []
+    for each in UPDATES:
+        if each == "on-host" and (transfer is None or not transfer.usable):
+            tried.append("on-host needs a copy channel (--bandwidth)")
+            continue
+        try:
+            plan, how = solve_for_budget(chain, budget, solver, device_memory, setup, each,
+                                         **(dict(options, transfer=transfer) if each == "on-host" else options))
+        except MemschedError:
+            tried.append(f"{each} does not fit")
+            continue
+        tried.append(f"{each} {plan.predicted.time:.4g} s")
+        if best is None or plan.predicted.time < best[0].predicted.time:
+            best = (plan, how)
+    if best is None:
+        raise MemschedError(f"--update auto: no update fits the device ({'; '.join(tried)}); use a device with more "
+                            "memory, more ranks or a higher ZeRO stage")
+    return best[0], f"{best[1]}; update {best[0].update}, the fastest predicted ({', '.join(tried)})"
+
+
 def chain_budget(chain, budget: str, device_memory: int = None, setup=None) -> tuple:
     """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
     peak, and None; for ``"auto"``, the activation budget that ``device_memory`` bytes leave under ``setup`` (a

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 import cli
 from discovery_models import gpt2
-from planner.chain import Chain, Loss, Stage
+from planner.chain import Chain, Loss, Stage, load_chain
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.stages import default_loss, run_stages, trainable_parameters
@@ -228,3 +228,25 @@ def test_solve_and_train_with_the_update_in_the_backward(tmp_path, capsys):
     assert cli.main(["partition", str(chain_path), "--devices", "2", "--micro-batches", "4", "--device-memory",
                      "1GiB", "--update", "in-backward"]) == 2
     assert "accumulates gradients over micro-batches" in capsys.readouterr().err
+
+
+def test_update_auto_keeps_the_fastest_update_that_fits_the_device(tmp_path, capsys):
+    chain_path, plan_path = tmp_path / "c.json", tmp_path / "p.json"
+    assert cli.main(["profile", "mlp:layers=4,width=256,batch=4", "-o", str(chain_path), "--repeats", "1",
+                     "--warmup", "0", "--options", "0"]) == 0
+    chain = load_chain(chain_path)
+    floors = {f.update: f.total for f in whole_step_floors(chain, TrainingSetup("adam"))}
+    assert floors["on-host"] < floors["in-backward"] < floors["after"]
+    # between the floors: only an update inside the backward fits, on the host here
+    device = (floors["on-host"] + floors["in-backward"]) // 2
+    capsys.readouterr()
+    assert cli.main(["solve", str(chain_path), "--budget", "auto", "--device-memory", str(device), "--update", "auto",
+                     "--bandwidth", "12GB/s", "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "update on-host, the fastest predicted (after does not fit, in-backward does not fit, on-host" in out
+    assert load_plan(plan_path).update == "on-host"
+    assert cli.main(["solve", str(chain_path), "--budget", "auto", "--device-memory", str(device),
+                     "--update", "auto"]) == 2  # no channel: on-host cannot be planned, and nothing else fits
+    assert "on-host needs a copy channel" in capsys.readouterr().err
+    assert cli.main(["solve", str(chain_path), "--budget", "50%", "--update", "auto"]) == 2
+    assert "give --budget auto and --device-memory" in capsys.readouterr().err
