@@ -98,9 +98,9 @@ def _check_numbers(args) -> None:
     if throughput is not None and not MIN_THROUGHPUT <= throughput <= MAX_THROUGHPUT:
         raise MemschedError(f"--throughput must be a positive number of FLOP/s from {MIN_THROUGHPUT:g} to "
                             f"{MAX_THROUGHPUT:g}, got {throughput}")
-    lr = getattr(args, "lr", None)
-    if lr is not None and not 0 < lr < float("inf"):
-        raise MemschedError(f"--lr must be a positive, finite learning rate, got {lr}")
+    for flag in _given(args, "--lr", "--max-grad-norm"):
+        if not 0 < (value := getattr(args, flag[2:].replace("-", "_"))) < float("inf"):
+            raise MemschedError(f"{flag} must be a positive, finite number, got {value}")
 
 
 def _add_channel_arguments(parser, purpose: str) -> None:
@@ -149,8 +149,7 @@ def _setup(args):
 
 
 def _solved(args, chain, **options) -> tuple:
-    """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`; the setup flags are refused but with --budget
-    auto."""
+    """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`, the setup flags refused but with --budget auto."""
     given = _given(args, *_SETUP_FLAGS)
     if args.budget != "auto" and given:
         raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "
@@ -223,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
+    train.add_argument("--max-grad-norm", type=float, metavar="NORM", help="clip the gradients' global norm to NORM")
     train.add_argument("--progress-timeout", type=float, metavar="SECONDS",
                        help="--plan pipeline.json: stop the run when no step has finished for this long (each "
                             "rank's setup milestones count as progress; default: 300)")
@@ -400,7 +400,8 @@ def _train(args) -> None:
     if not args.plan:
         plan, how = _solved(args, chain)
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
-    comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile)
+    comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile,
+                                  max_grad_norm=args.max_grad_norm)
     print("\n".join(render.training_table(plan, comparison)))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
+from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.graph import GraphExecutor
 from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
@@ -66,15 +67,23 @@ class Learner:
     either ``optimizer`` (stepped after each step) or ``updates`` (a
     :class:`planner.execute.updates.StageUpdates`: the step updates inside its backward, and a run that must not
     count as a training step is rewound). ``timed_update``: the seconds of a step include its update (the
-    whole step, as an update inside the backward's do)."""
+    whole step, as an update inside the backward's do). ``max_grad_norm``: the gradients are clipped to that
+    global norm before the optimizer steps, which needs every gradient first: refused with ``updates``."""
 
-    def __init__(self, parameters, optimizer=None, updates=None, timed_update: bool = False):
+    def __init__(self, parameters, optimizer=None, updates=None, timed_update: bool = False, max_grad_norm=None):
+        if updates is not None and max_grad_norm is not None:
+            raise MemschedError("clipping the gradients' global norm needs every gradient before any update: the "
+                                "update inside the backward cannot honour it; drop --max-grad-norm or update after "
+                                "the backward")
         self.parameters, self.optimizer, self.updates = parameters, optimizer, updates
         self.timed_update = timed_update or updates is not None
+        self.max_grad_norm = max_grad_norm
 
     def update(self) -> None:
-        """After a step: the optimizer's update (none when the step made it)."""
+        """After a step: the optimizer's update (none when the step made it), the gradients clipped first."""
         if self.optimizer is not None:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
             self.optimizer.step()
 
     def resident_bytes(self) -> int:
@@ -160,7 +169,7 @@ def on_device(stages, inputs, device) -> tuple:
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
                       lr: float = 1e-3, compiled: bool = False, updates=None, reference=None,
-                      whole_step: bool = False) -> Comparison:
+                      whole_step: bool = False, max_grad_norm: float = None) -> Comparison:
     """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
     by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
     :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
@@ -172,9 +181,10 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     ``torch.compile``); both are measured by torch.profiler's memory events. ``updates`` (a
     :class:`planner.execute.updates.StageUpdates`): the planned step updates ``stages`` inside its backward; the
     reference then trains ``reference``, an untouched copy of them, with its own Adam, and both step times
-    include the update (``whole_step``: also without ``updates``).
+    include the update (``whole_step``: also without ``updates``). ``max_grad_norm``: see :class:`Learner`.
     """
     def learner(parameters, **given):
+        given.setdefault("max_grad_norm", max_grad_norm)
         optimizer = torch.optim.Adam(parameters, lr=lr)
         for parameter in parameters:
             parameter.grad = torch.zeros_like(parameter)
@@ -185,8 +195,8 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
         planned = plain = learner(trainable_parameters(stages), timed_update=whole_step)
         reference = stages
     else:
+        planned = Learner(trainable_parameters(stages), updates=updates, max_grad_norm=max_grad_norm)
         updates.warm_up()
-        planned = Learner(trainable_parameters(stages), updates=updates)
         plain = learner(trainable_parameters(reference), timed_update=True)
     reference = [(name, torch.compile(module)) for name, module in reference] if compiled else reference
     plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
@@ -196,17 +206,19 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
 
 
 def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3,
-                     compile: bool = False, whole_step: bool = False) -> Comparison:
+                     compile: bool = False, whole_step: bool = False, max_grad_norm: float = None) -> Comparison:
     """:func:`train_and_compare` for a chain ``plan`` run by :func:`planner.execute.chain.apply_plan` on
     ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None),
     through ``torch.compile`` with ``compile``; a plan updating inside the backward runs Adam at ``lr`` there.
-    ``whole_step``: the step times include the optimizer update whatever the plan's."""
+    ``whole_step``: the step times include the optimizer update whatever the plan's; ``max_grad_norm``: the
+    gradients clipped to that global norm (after the backward only)."""
     stages, inputs = on_device(model.stages, model.example_inputs, device)
     reference = copy.deepcopy(stages) if plan.update != "after" else None
     planned = apply_plan(stages, plan, chain, compile=compile, optimizer="adam", lr=lr)
     step = autograd_step(planned, model.loss_fn or default_loss, inputs)
     return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr,
-                             compiled=compile, updates=planned.updates, reference=reference, whole_step=whole_step)
+                             compiled=compile, updates=planned.updates, reference=reference, whole_step=whole_step,
+                             max_grad_norm=max_grad_norm)
 
 
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:

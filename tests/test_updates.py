@@ -30,7 +30,7 @@ from planner.transfer import Transfer
 from planner.updates import updated_chain
 from profiles.chain_profiler import build_fake, profile_chain
 from profiles.discover import discover
-from profiles.training import train_chain_plan
+from profiles.training import Learner, train_chain_plan
 from profiles.zoo import MODELS
 from solvers import solve
 from solvers.budgets import whole_step_floors
@@ -250,3 +250,19 @@ def test_update_auto_keeps_the_fastest_update_that_fits_the_device(tmp_path, cap
     assert "on-host needs a copy channel" in capsys.readouterr().err
     assert cli.main(["solve", str(chain_path), "--budget", "50%", "--update", "auto"]) == 2
     assert "give --budget auto and --device-memory" in capsys.readouterr().err
+
+
+def test_clipping_the_global_norm_runs_after_the_backward_and_is_refused_inside_it(capsys):
+    weight = torch.nn.Parameter(torch.zeros(4))
+    learner = Learner([weight], torch.optim.SGD([weight], lr=1.0), max_grad_norm=1.0)
+    weight.grad = torch.full((4,), 5.0)  # norm 10
+    learner.update()
+    assert_close(weight.detach(), torch.full((4,), -0.5))  # the gradient scaled to norm 1, then the step
+    with pytest.raises(MemschedError, match="global norm needs every gradient before any update"):
+        Learner([weight], updates=StageUpdates([torch.nn.Linear(2, 2)], "in-backward", "sgd", 0.1),
+                max_grad_norm=1.0)
+    assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--update", "in-backward",
+                     "--max-grad-norm", "1", "--steps", "1"]) == 2
+    assert "cannot honour it" in capsys.readouterr().err
+    assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--max-grad-norm", "0"]) == 2
+    assert "--max-grad-norm must be a positive, finite number, got 0.0" in capsys.readouterr().err
