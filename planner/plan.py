@@ -30,7 +30,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # each but the first (PyTorch's schedules), and at least one sample of the batch.
 MAX_MICRO_BATCHES = 2**20
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline",
-                "update")
+                "update", "host_stages")
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
@@ -108,6 +108,7 @@ class Plan:
     # When the optimizer updates the parameters (planner/updates.py): a chain plan other than "after" was solved,
     # and is simulated, on planner.updates.updated_chain of its chain (over ``transfer`` for "on-host").
     update: str = "after"
+    host_stages: Optional[tuple] = None  # "on-host": the stages updated on the host (None: every stage)
 
     @property
     def moves_data(self) -> bool:
@@ -135,6 +136,7 @@ class Plan:
             "schedule": [op.to_dict() for op in self.schedule],
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
             **({} if self.update == "after" else {"update": self.update}),
+            **({} if self.host_stages is None else {"host_stages": list(self.host_stages)}),
         }
 
     def _common_dict(self) -> dict:
@@ -174,6 +176,14 @@ class Plan:
                                 f"{update!r}), not one of kind {kind!r}")
         if update == "on-host" and data.get("transfer") is None:
             raise MemschedError(f"{where}: update 'on-host' copies over a channel: the plan needs its 'transfer'")
+        host_stages = data.get("host_stages")
+        if host_stages is not None:
+            if update != "on-host":
+                raise MemschedError(f"{where}: host_stages are the stages an update 'on-host' runs on the host; "
+                                    f"this plan's update is {update!r}")
+            if not isinstance(host_stages, list):
+                raise MemschedError(f"{where}: host_stages must be a list of stage indices")
+            host_stages = tuple(validate.count(k, f"{where}: host_stages[{n}]") for n, k in enumerate(host_stages))
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -218,6 +228,7 @@ class Plan:
             measured_on=None if problem.get("measured_on") is None else MeasuredOn.from_dict(
                 problem["measured_on"], f"{where}: problem.measured_on"),
             update=update,
+            host_stages=host_stages,
         )
 
 

@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from planner.errors import MemschedError
 from planner.units import describe_bytes, format_bytes
-from planner.updates import check_update, updated_chain
+from planner.updates import check_update, host_stages_of, updated_chain
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16: mixed precision with an fp32 master copy
@@ -75,12 +75,14 @@ class TrainingSetup:
         _check_parameters(parameters)
         return {item: math.ceil(value * parameters) for item, value in self._exact().items()}
 
-    def resident_bytes(self, parameters: int) -> int:
+    def resident_bytes(self, parameters: int, on_device: int = 0) -> int:
         """Per device: parameters, master copy and optimizer state (what exists before a step starts); with the
-        update on the host, the parameters only."""
+        update on the host, the parameters and the master copy and state of the ``on_device`` parameters whose
+        stages update on the device (planner/updates.py, ``host_stages``)."""
         sizes = self.breakdown(parameters)
         if self.update == "on-host":
-            return sizes["params"]
+            kept = self.breakdown(on_device)
+            return sizes["params"] + kept["master"] + kept["optimizer"]
         return sizes["params"] + sizes["master"] + sizes["optimizer"]
 
     def host_bytes(self, parameters: int) -> int:
@@ -125,7 +127,19 @@ def parameters_of(chain) -> int:
     return -(-chain_gradient_bytes(chain) // PROFILE_GRADIENT_BYTES)
 
 
-def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
+def device_parameters(chain, setup: TrainingSetup, host_stages=None) -> int:
+    """Parameters of ``chain`` whose stages update on the device under ``setup`` (all but for the update
+    ``on-host``, where the stages outside ``host_stages``: none when None), from their ``param_bytes`` / 4."""
+    host = host_stages_of(chain, setup.update, host_stages)
+    on_device = sum(stage.param_bytes for k, stage in enumerate(chain.stages) if k not in host)
+    return -(-on_device // PROFILE_GRADIENT_BYTES)
+
+
+def _resident(chain, setup: TrainingSetup, host_stages) -> int:
+    return setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, host_stages))
+
+
+def activation_budget(chain, setup: TrainingSetup, device_memory: int, host_stages=None) -> int:
     """Bytes left for the chain's step budget (activations, temporaries and the chain's parameter gradients)
     once ``setup``'s resident state is on a device of ``device_memory`` bytes.
 
@@ -137,7 +151,7 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
         raise MemschedError(f"device memory: expected a whole number of bytes >= 1, got {device_memory!r}")
     parameters = parameters_of(chain)
-    resident = setup.resident_bytes(parameters)
+    resident = _resident(chain, setup, host_stages)
     extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
     budget = device_memory - resident - extra_gradients
     if budget <= 0:
@@ -163,13 +177,15 @@ def setup_chain(chain, setup: TrainingSetup, transfer=None):
     return updated_chain(chain, setup.update, transfer)
 
 
-def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str:
+def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int, host_stages=None) -> str:
     """How :func:`activation_budget` comes from ``device_memory`` bytes: ``device ... - resident ... for P
     parameters (setup)``, with the gradients beyond the chain's it takes off, and a note when the chain counts
     more gradient bytes than the setup has."""
     parameters = parameters_of(chain)
-    how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(setup.resident_bytes(parameters))} "
-           f"for {parameters} parameters ({setup.describe()})")
+    resident = _resident(chain, setup, host_stages)
+    some = "" if host_stages is None else f" for {len(host_stages)} of {chain.length} stages"
+    how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(resident)} for {parameters} parameters "
+           f"({setup.describe()}{some})")
     extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
     if extra_gradients:
         how += f" - {extra_gradients} bytes of gradients beyond the chain's"

@@ -42,20 +42,36 @@ def check_channel(update: str, transfer) -> None:
                             "channel (--bandwidth, e.g. 16GB/s), or profile the chain on CUDA, which measures it")
 
 
-def updated_chain(chain, update: str, transfer=None):
+def host_stages_of(chain, update: str, host=None) -> frozenset:
+    """The stages whose parameters update on the host: none but for ``"on-host"``, where ``host`` (stage indices;
+    None: every stage) names them; an index outside the chain is a one-line :class:`MemschedError`."""
+    if update != "on-host":
+        return frozenset()
+    if host is None:
+        return frozenset(range(chain.length))
+    wrong = [i for i in host if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < chain.length]
+    if wrong:
+        raise MemschedError(f"host_stages: stage {wrong[0]!r} is not one of chain '{chain.name}''s stages "
+                            f"0..{chain.length - 1}")
+    return frozenset(host)
+
+
+def updated_chain(chain, update: str, transfer=None, host=None):
     """``chain`` as the step with ``update`` allocates it (the chain itself for ``"after"``).
 
     Stage ``i``'s gradients, but those of parameters it shares with earlier stages (kept in ``param_bytes``), no
     longer persist after ``B i``: they all exist at its end, before the update frees them, so its backward
     temporaries become ``max(bwd_tmp_bytes, param_bytes - own_saved_bytes - out_bytes)`` (the memory right after
     its backward in the chain model, less what the backward left), for the stage and each of its options. For
-    ``"on-host"`` the backward also takes the copy of those gradients to the host and of the stage's parameters
-    (as many bytes) back, over ``transfer`` (the chain's when None; without a usable channel the bytes are
-    exact and the copies take no time: :func:`check_channel` refuses that for a plan).
+    ``"on-host"`` the backward of each stage in ``host`` (:func:`host_stages_of`: every stage when None; the others
+    update on the device, as in-backward) also takes the copy of those gradients to the host and of the stage's
+    parameters (as many bytes) back, over ``transfer`` (the chain's when None; without a usable channel the
+    bytes are exact and the copies take no time: :func:`check_channel` refuses that for a plan).
     """
     check_update(update)
     if update == "after":
         return chain
+    on_host = host_stages_of(chain, update, host)
     channel = transfer or chain.transfer
     if channel is not None and not channel.usable:
         channel = None
@@ -67,7 +83,7 @@ def updated_chain(chain, update: str, transfer=None):
         made = stage.param_bytes
         stays = min(made, kept[i])
         copies = 0.0
-        if update == "on-host" and made and channel is not None:
+        if i in on_host and made and channel is not None:
             copies = channel.seconds(made - stays, "d2h") + channel.seconds(made, "h2d")
         options = tuple(dataclasses.replace(option, bwd_time=option.bwd_time + copies,
                                             bwd_tmp_bytes=_transient(option.bwd_tmp_bytes, made,

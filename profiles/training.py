@@ -89,8 +89,7 @@ class Learner:
     def resident_bytes(self) -> int:
         """Bytes of the storages of the parameters and of the optimizer state on their device (an update on the
         host keeps its state there: not counted), as they are now."""
-        optimizers = [self.optimizer] if self.optimizer is not None else (
-            [] if self.updates.on_host else list(self.updates.optimizers.values()))
+        optimizers = [self.optimizer] if self.optimizer is not None else self.updates.device_optimizers()
         state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
                  if isinstance(value, torch.Tensor)]
         return storage_bytes(list(self.parameters) + state)

@@ -26,7 +26,7 @@ from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.graph import GraphSimulator, store_all_graph_schedule
 from planner.units import format_bytes
-from planner.updates import check_channel, check_update, updated_chain
+from planner.updates import check_channel, check_update, host_stages_of, updated_chain
 from solvers.checkmate import checkmate as _checkmate
 from solvers.checkmate import checkmate_lp as _checkmate_lp
 from solvers.checkmate import least_frontier_peak
@@ -73,13 +73,15 @@ def choose_solver(chain: Chain, budget: int) -> str:
     return "hierarchical" if chain.has_options else "rotor"
 
 
-def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update: str = "after", **params) -> Plan:
+def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update: str = "after", host_stages=None,
+          **params) -> Plan:
     """The plan ``solver`` finds for ``chain`` within ``budget`` bytes, its figures from the simulator.
 
     ``weights`` (``"all"`` or stage indices) puts those stages' parameters on the host (solvers/weights.py).
     ``update`` (planner/updates.py): when the optimizer updates the parameters; other than ``"after"``, the plan
     is solved on :func:`planner.updates.updated_chain` and records it (``"on-host"`` over ``transfer``, else the
-    chain's channel); its overhead is against the chain's own step.
+    chain's channel, for the stages ``host_stages``: every stage when None); its overhead is against the chain's
+    own step.
     Raises :class:`MemschedError` for an unknown solver or parameter, a budget
     below the least memory any schedule needs (the message states it), or a
     solver whose schedule does not fit.
@@ -87,7 +89,7 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update:
     if solver not in SOLVER_NAMES:
         raise MemschedError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVER_NAMES)}")
     if check_update(update) != "after":
-        return _solve_updating(chain, budget, solver, weights, update, params)
+        return _solve_updating(chain, budget, solver, weights, update, host_stages, params)
     if weights is not None:
         return _solve_with_host_weights(chain, budget, solver, weights, params)
     offloading = solver in OFFLOAD_SOLVERS
@@ -116,15 +118,16 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update:
     return _plan(chain, name, solution, elapsed, budget, result, transfer=transfer, measured_on=chain.measured_on)
 
 
-def _solve_updating(chain: Chain, budget: int, solver: str, weights, update: str, params: dict) -> Plan:
+def _solve_updating(chain: Chain, budget: int, solver: str, weights, update: str, host_stages, params: dict) -> Plan:
     """:func:`solve` of the chain that ``update`` makes of ``chain``, recorded as ``chain``'s plan."""
     if weights is not None or solver in OFFLOAD_SOLVERS:
         raise MemschedError(f"update {update!r} runs plans without transfers: drop --offload-weights and the "
                             "offload solvers, or update after the backward")
     transfer = params.pop("transfer", None) or chain.transfer
     check_channel(update, transfer)
-    plan = solve(updated_chain(chain, update, transfer), budget, solver, **params)
-    return dataclasses.replace(plan, fingerprint=chain.fingerprint(), update=update,
+    host = None if host_stages is None else tuple(sorted(host_stages_of(chain, update, host_stages)))
+    plan = solve(updated_chain(chain, update, transfer, host), budget, solver, **params)
+    return dataclasses.replace(plan, fingerprint=chain.fingerprint(), update=update, host_stages=host,
                                transfer=transfer if update == "on-host" else None,
                                predicted=dataclasses.replace(plan.predicted, baseline_time=chain.compute_time))
 

@@ -134,37 +134,47 @@ def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None,
 
     ``update="auto"`` (with ``--budget auto``: the resident state differs between updates) solves for each of
     :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host`` only over a usable
-    channel, ``transfer`` or the chain's) and keeps the fastest predicted plan (the first on a tie: after the
-    backward, then in it), saying what the others took."""
+    channel, ``transfer`` or the chain's: on the host the largest 1, 2, ... stages, then every stage, the others
+    updating on the device) and keeps the fastest predicted plan (the first on a tie: after the backward, then in
+    it), saying what each update's fastest took. Which stages go to the host is a heuristic: a stage's copies
+    and its resident state are both in proportion to its parameters, and the largest first moves the most per
+    copy."""
     if update != "auto":
         trained = None if setup is None else dataclasses.replace(setup, update=update)
-        amount, how = chain_budget(chain, budget, device_memory, trained)
+        amount, how = chain_budget(chain, budget, device_memory, trained, options.get("host_stages"))
         return solve_within(chain, amount, solver, how, update=update, **options), how
     if budget != "auto" or device_memory is None:
         raise MemschedError("--update auto compares whole steps, whose resident state differs by update: give "
                             "--budget auto and --device-memory")
     transfer = options.pop("transfer", None) or chain.transfer
-    best, tried = None, []
-    for each in UPDATES:
-        if each == "on-host" and (transfer is None or not transfer.usable):
-            tried.append("on-host needs a copy channel (--bandwidth)")
-            continue
+    candidates = [("after", {}), ("in-backward", {})]
+    if transfer is not None and transfer.usable:  # the largest stages first: the most state moved per copy
+        by_size = sorted((k for k, stage in enumerate(chain.stages) if stage.param_bytes),
+                         key=lambda k: -chain.stages[k].param_bytes)
+        candidates += [("on-host", dict(transfer=transfer, host_stages=tuple(sorted(by_size[:n]))))
+                       for n in range(1, len(by_size))] + [("on-host", dict(transfer=transfer))]
+    best, times = None, {}  # update -> its fastest plan's predicted seconds (None: none fits)
+    for each, given in candidates:
         try:
-            plan, how = solve_for_budget(chain, budget, solver, device_memory, setup, each,
-                                         **(dict(options, transfer=transfer) if each == "on-host" else options))
+            plan, how = solve_for_budget(chain, budget, solver, device_memory, setup, each, **options, **given)
         except MemschedError:
-            tried.append(f"{each} does not fit")
+            times.setdefault(each, None)
             continue
-        tried.append(f"{each} {plan.predicted.time:.4g} s")
         if best is None or plan.predicted.time < best[0].predicted.time:
             best = (plan, how)
+        if times.get(each) is None or plan.predicted.time < times[each]:
+            times[each] = plan.predicted.time
+    said = ", ".join(f"{each} " + ("does not fit" if seconds is None else f"{seconds:.4g} s")
+                     for each, seconds in times.items())
+    if transfer is None or not transfer.usable:
+        said += ", on-host needs a copy channel (--bandwidth)"
     if best is None:
-        raise MemschedError(f"--update auto: no update fits the device ({'; '.join(tried)}); use a device with more "
+        raise MemschedError(f"--update auto: no update fits the device ({said}); use a device with more "
                             "memory, more ranks or a higher ZeRO stage")
-    return best[0], f"{best[1]}; update {best[0].update}, the fastest predicted ({', '.join(tried)})"
+    return best[0], f"{best[1]}; update {best[0].update}, the fastest predicted ({said})"
 
 
-def chain_budget(chain, budget: str, device_memory: int = None, setup=None) -> tuple:
+def chain_budget(chain, budget: str, device_memory: int = None, setup=None, host_stages=None) -> tuple:
     """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
     peak, and None; for ``"auto"``, the activation budget that ``device_memory`` bytes leave under ``setup`` (a
     :class:`planner.training_setup.TrainingSetup`) and how, in words."""
@@ -173,7 +183,8 @@ def chain_budget(chain, budget: str, device_memory: int = None, setup=None) -> t
     if device_memory is None:
         raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
                             "(e.g. 80GiB)")
-    return activation_budget(chain, setup, device_memory), describe_auto_budget(chain, setup, device_memory)
+    return (activation_budget(chain, setup, device_memory, host_stages),
+            describe_auto_budget(chain, setup, device_memory, host_stages))
 
 
 def solved_lines(plan, solver: str, chain, how: str = None) -> list:

@@ -25,7 +25,7 @@ from planner.execute.updates import MOMENTUM, StageUpdates
 from planner.plan import Plan, load_plan, save_plan
 from planner.shared import SharedParameter
 from planner.simulate import simulate
-from planner.training_setup import TrainingSetup
+from planner.training_setup import TrainingSetup, device_parameters, parameters_of
 from planner.transfer import Transfer
 from planner.updates import updated_chain
 from profiles.chain_profiler import build_fake, profile_chain
@@ -33,7 +33,7 @@ from profiles.discover import discover
 from profiles.training import Learner, train_chain_plan
 from profiles.zoo import MODELS
 from solvers import solve
-from solvers.budgets import whole_step_floors
+from solvers.budgets import solve_for_budget, whole_step_floors
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
 
@@ -266,3 +266,42 @@ def test_clipping_the_global_norm_runs_after_the_backward_and_is_refused_inside_
     assert "cannot honour it" in capsys.readouterr().err
     assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--max-grad-norm", "0"]) == 2
     assert "--max-grad-norm must be a positive, finite number, got 0.0" in capsys.readouterr().err
+
+
+def test_some_stages_on_the_host_are_simulated_recorded_and_run_as_predicted(threads, tmp_path):
+    """The largest stages' state on the host, the others updated on the device: the simulator copies for those
+    stages only, the plan keeps the list, and the executor's peak and parameters' homes follow it."""
+    staged = _staged("gpt2")
+    chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, warmup=0, repeats=1,
+                          options=0)
+    chain = dataclasses.replace(chain, transfer=CHANNEL)
+    host = tuple(sorted(sorted(range(chain.length), key=lambda k: -chain.stages[k].param_bytes)[:3]))
+    some, every = (updated_chain(chain, "on-host", host=h) for h in (host, None))
+    copies = [b.bwd_time - a.bwd_time for a, b in zip(some.stages, every.stages)]
+    assert all((c == 0) == (k in host or not chain.stages[k].param_bytes) for k, c in enumerate(copies))
+    plan = solve(chain, minimum_budget(some), "rotor", update="on-host", host_stages=host)
+    save_plan(plan, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").host_stages == host
+    assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes
+    compared = train_chain_plan(staged, plan, chain, 2)
+    for measure in compared.planned:
+        assert abs(measure.peak_bytes / plan.predicted.peak_bytes - 1) < 0.01
+    setup = TrainingSetup("adam", update="on-host")
+    # the device's optimizer state as predicted, but for Adam's step counters (4 bytes per parameter tensor)
+    expected = setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, host))
+    assert expected <= compared.resident_bytes <= expected * 1.001
+    with pytest.raises(MemschedError, match="host_stages: stage 99 is not one of"):
+        updated_chain(chain, "on-host", host=(99,))
+    with pytest.raises(MemschedError, match="host_stages are the stages an update 'on-host' runs"):
+        Plan.from_dict({**plan.to_dict(), "update": "in-backward"})
+
+
+def test_update_auto_puts_on_the_host_only_the_stages_that_pay_for_their_copies():
+    """A slow channel (4 s per stage's copies, a recomputation costs 1 s): below the in-backward floor, one stage
+    on the host is enough and faster than all of them."""
+    chain = dataclasses.replace(_chain([4000, 4000, 4000, 4000]),
+                                transfer=Transfer(d2h_bandwidth=2000.0, h2d_bandwidth=2000.0))
+    floors = {f.update: f.total for f in whole_step_floors(chain, TrainingSetup("adam"))}
+    plan, how = solve_for_budget(chain, "auto", "rotor", floors["in-backward"] - 1, TrainingSetup("adam"), "auto")
+    assert plan.update == "on-host" and len(plan.host_stages) == 1, how
+    assert "after does not fit, in-backward does not fit, on-host" in how and "for 1 of 4 stages" in how

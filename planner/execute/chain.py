@@ -41,8 +41,9 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them. ``recomputes``: for each stage
     whose ``F_all`` runs with an option, the option's ``recompute`` positions (:class:`planner.chain.StageOption`).
     ``compile``: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`). ``update``:
-    ``(update, optimizer, lr)`` for an optimizer update inside the backward (planner/execute/updates.py); each
-    stage's backward then runs on its own (``fuse=False``), its gradients updated and freed after it.
+    ``(update, optimizer, lr, host_stages)`` for an optimizer update inside the backward
+    (planner/execute/updates.py); each stage's backward then runs on its own (``fuse=False``), its gradients
+    updated and freed after it (eagerly: a compiled run would make several stages' gradients at once).
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
@@ -57,8 +58,9 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
                             "do not mix; solve with --solver hierarchical or an offload solver, not both")
     if compile and any(op.kind in TRANSFER_OPS for op in schedule):
         raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
-    if update is not None and any(op.kind in TRANSFER_OPS for op in schedule):
-        raise MemschedError(f"update {update[0]!r} runs plans without transfers; solve without offloading")
+    if update is not None and (compile or any(op.kind in TRANSFER_OPS for op in schedule)):
+        raise MemschedError(f"update {update[0]!r} runs plans eagerly and without transfers: drop --compile, or "
+                            "solve without offloading")
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse and update is None, measured_on, source, recomputes, compile,
@@ -97,7 +99,7 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
         measured.check_stages(stage_specs(pairs), source)
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
-    update = None if plan.update == "after" else (plan.update, optimizer, lr)
+    update = None if plan.update == "after" else (plan.update, optimizer, lr, plan.host_stages)
     return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes, compile, update)
 
 

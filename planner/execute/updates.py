@@ -38,29 +38,33 @@ def fused_optimizer(name: str, parameters, lr: float) -> torch.optim.Optimizer:
 
 
 class StageUpdates:
-    """Per stage, the optimizer of the parameters complete after its backward (``modules``: the stages in order).
+    """Per stage, the optimizers of the parameters complete after its backward (``modules``: the stages in order).
 
-    ``update``: ``in-backward`` (parameters updated where they are) or ``on-host`` (on fp32 host copies).
-    Optimizer state is made by :meth:`warm_up`, a zero-gradient step, before the first measured step.
+    ``update``: ``in-backward`` (parameters updated where they are) or ``on-host`` (on fp32 host copies) for the
+    parameters of the stages ``host_stages`` (None: all), a parameter belonging, as in a chain, to the last stage
+    reading it (planner/shared.py); the others update on their device. Optimizer state is made by
+    :meth:`warm_up`, a zero-gradient step, before the first measured step (or by the first step).
     """
 
-    def __init__(self, modules, update: str, optimizer: str, lr: float):
-        self.on_host = update == "on-host"
-        last_reader = {}  # id(parameter) -> (parameter, the lowest stage reading it: its backward runs last)
+    def __init__(self, modules, update: str, optimizer: str, lr: float, host_stages=None):
+        readers = {}  # id(parameter) -> (parameter, the stages reading it, in order)
         for k, module in enumerate(modules):
             for parameter in module.parameters() if isinstance(module, torch.nn.Module) else ():
                 if parameter.requires_grad:
-                    last_reader.setdefault(id(parameter), (parameter, k))
-        self.parameters = [parameter for parameter, _ in last_reader.values()]
-        self.groups = {}  # stage -> [(parameter, its master copy on the host or None, host gradient buffer)]
-        for parameter, k in last_reader.values():
+                    readers.setdefault(id(parameter), (parameter, []))[1].append(k)
+        host = set() if update != "on-host" else set(range(len(modules)) if host_stages is None else host_stages)
+        self.parameters = [parameter for parameter, _ in readers.values()]
+        # (the lowest stage reading them: its backward completes their gradients, on the host?) -> entries
+        # (parameter, its master copy on the host or None, the host gradient buffer or None)
+        self.groups = {}
+        for parameter, stages in readers.values():
             master = grad = None
-            if self.on_host:
+            if stages[-1] in host:
                 master = _on_host(parameter.detach().float())
                 grad = _on_host(torch.zeros_like(master))
-            self.groups.setdefault(k, []).append((parameter, master, grad))
-        self.optimizers = {k: fused_optimizer(optimizer, [p if m is None else m for p, m, _ in group], lr)
-                           for k, group in self.groups.items()}
+            self.groups.setdefault((stages[0], master is not None), []).append((parameter, master, grad))
+        self.optimizers = {key: fused_optimizer(optimizer, [p if m is None else m for p, m, _ in group], lr)
+                           for key, group in self.groups.items()}
 
     def check_no_gradients(self) -> None:
         """Before a backward: a gradient already in ``.grad`` would be accumulated into, which the update cannot
@@ -74,35 +78,39 @@ class StageUpdates:
 
     def after_backward(self, stage: int) -> None:
         """``B stage`` has run: update the parameters it completed and free their gradients."""
-        group = self.groups.get(stage)
-        if not group:
-            return
-        if self.on_host:
-            for parameter, master, grad in group:
-                grad.copy_(parameter.grad)
-                parameter.grad = None
-                master.grad = grad
-            self.optimizers[stage].step()
+        for on_host in (False, True):
+            group = self.groups.get((stage, on_host))
+            if not group:
+                continue
+            if on_host:
+                for parameter, master, grad in group:
+                    grad.copy_(parameter.grad)
+                    parameter.grad = None
+                    master.grad = grad
+            self.optimizers[stage, on_host].step()
             for parameter, master, _ in group:
-                master.grad = None
-                parameter.data.copy_(master)
-            return
-        self.optimizers[stage].step()
-        for parameter, _, _ in group:
-            parameter.grad = None
+                if master is None:
+                    parameter.grad = None
+                else:
+                    master.grad = None
+                    parameter.data.copy_(master)
 
     def warm_up(self) -> None:
         """One update with zero gradients, making every optimizer's state (as a training loop's first step)."""
-        for k, group in self.groups.items():
+        for key, group in self.groups.items():
             for parameter, master, _ in group:
                 target = parameter if master is None else master
                 target.grad = torch.zeros_like(target)
-            self.optimizers[k].step()
+            self.optimizers[key].step()
             for parameter, master, _ in group:
                 target = parameter if master is None else master
                 target.grad = None
                 if master is not None:
                     parameter.data.copy_(master)
+
+    def device_optimizers(self) -> list:
+        """The optimizers whose state is on the parameters' device."""
+        return [optimizer for (_, on_host), optimizer in self.optimizers.items() if not on_host]
 
     def saved(self) -> list:
         """``(tensor, copy)`` for every parameter, master copy and optimizer state tensor: what :meth:`restore`

@@ -44,7 +44,7 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
             return pipeline_result(problem, plan_or_schedule.pipeline)
         schedule = plan_or_schedule.schedule
         transfer = plan_or_schedule.transfer or transfer
-        problem = updated_chain(problem, plan_or_schedule.update, transfer)
+        problem = updated_chain(problem, plan_or_schedule.update, transfer, plan_or_schedule.host_stages)
     else:
         schedule = plan_or_schedule
     if isinstance(problem, Graph):
