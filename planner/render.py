@@ -132,8 +132,8 @@ def optimality(plan, gap: bool = False) -> str:
 def solve_summary(plan, requested: str, result=None) -> list:
     """Lines describing a fresh chain plan: solver, peak against budget, step time, overhead, recomputations,
     solve time (and for an offload plan its channel, with its simulation ``result`` the copies and stalls)."""
-    return _summary(plan, requested, "chain", f"{plan.recomputed_forwards} forwards", transfer_lines(plan, result),
-                    optimality(plan))
+    return _summary(plan, requested, "chain", f"{plan.recomputed_forwards} forwards",
+                    transfer_lines(plan, result) + update_lines(plan), optimality(plan))
 
 
 def graph_solve_summary(plan, requested: str) -> list:
@@ -181,10 +181,22 @@ def transfer_lines(plan, result=None) -> list:
     return lines
 
 
+def update_lines(plan) -> list:
+    """For a chain plan whose optimizer updates inside the backward: when, where, and over which channel."""
+    if plan.update == "after":
+        return []
+    where = "" if plan.update != "on-host" or plan.host_stages is None else (
+        f" for stages {', '.join(map(str, plan.host_stages))} (the others on the device)")
+    return [f"update     {plan.update}{where}: each stage's parameters updated, and gradients freed, after its "
+            "backward",
+            *(transfer_lines_for_channel(plan.transfer, "gradients out, parameters back") if plan.transfer else [])]
+
+
 def plan_header(plan) -> list:
     """Lines naming a stored chain plan's problem and solver, with its budget and predicted peak, time and
-    overhead."""
-    return _header(plan, " (optimal)" if plan.optimal else "", f"{plan.recomputed_forwards} forwards recomputed")
+    overhead, and its optimizer update when inside the backward."""
+    header = _header(plan, " (optimal)" if plan.optimal else "", f"{plan.recomputed_forwards} forwards recomputed")
+    return header[:-1] + update_lines(plan) + header[-1:]  # the last line introduces the schedule
 
 
 def graph_plan_header(plan) -> list:

@@ -222,6 +222,8 @@ def test_solve_and_train_with_the_update_in_the_backward(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "floor " in out and "update in the backward" in out
     assert load_plan(plan_path).update == "in-backward"
+    assert cli.main(["show", str(plan_path)]) == 0
+    assert "update     in-backward: each stage's parameters updated" in capsys.readouterr().out
     assert cli.main(["train", spec, "--plan", str(plan_path), "--chain", str(chain_path), "--steps", "2"]) == 0
     assert cli.main(["train", spec, "--budget", "60%", "--update", "in-backward", "--steps", "1"]) == 0
     capsys.readouterr()

@@ -34,8 +34,7 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
     transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
     given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan whose optimizer
     updates in the backward is replayed on :func:`planner.updates.updated_chain` of the chain. A plan of kind
-    ``pipeline``
-    gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
+    ``pipeline`` gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
     :class:`planner.simulate.replay.SimResult`.
     """
     if isinstance(plan_or_schedule, Plan):
