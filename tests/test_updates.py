@@ -140,11 +140,10 @@ def test_measured_peak_is_the_predicted_one(spec, update, threads):
     chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, warmup=0, repeats=1,
                           options=0)
     chain = dataclasses.replace(chain, transfer=CHANNEL)
-    for budget in (minimum_budget(updated_chain(chain, update)), None):
-        plan = solve(chain, budget or minimum_budget(chain), "rotor", update=update)
-        measured = [m.peak_bytes for m in train_chain_plan(staged, plan, chain, 2).planned]
-        for peak in measured:
-            assert abs(peak / plan.predicted.peak_bytes - 1) < 0.01, (budget, measured, plan.predicted.peak_bytes)
+    plan = solve(chain, minimum_budget(updated_chain(chain, update)), "rotor", update=update)  # the floor
+    measured = [m.peak_bytes for m in train_chain_plan(staged, plan, chain, 2).planned]
+    for peak in measured:
+        assert abs(peak / plan.predicted.peak_bytes - 1) < 0.01, (measured, plan.predicted.peak_bytes)
 
 
 _REFERENCE = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05),
