@@ -379,8 +379,8 @@ def floor_lines(floors) -> list:
                   + [(first.gradients, "gradients"), (first.step - first.gradients, "activations and temporaries")])
     lines = [f"floor      {describe_bytes(first.total)} for the whole step ({_UPDATE_WORDS[first.update]}): "
              f"resident {format_bytes(first.resident)} ({parts or 'nothing'}) + least step {format_bytes(first.step)}",
-             f"  set by {largest[1]}, the largest part; the least step peaks at {first.at} holding "
-             f"{format_bytes(first.gradients)} of gradients, {format_bytes(first.step - first.gradients)} of "
+             f"  set by {largest[1]}, the largest part; the least step peaks at {first.at}, holding "
+             f"{format_bytes(first.gradients)} of gradients and {format_bytes(first.step - first.gradients)} of "
              "activations and temporaries"]
     for floor in floors[1:]:
         saved = first.total - floor.total

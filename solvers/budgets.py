@@ -108,8 +108,16 @@ def whole_step_floors(chain, setup) -> list:
         peak = max(result.timeline, key=lambda step: step.peak)
         done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
         gradients = sum(problem.stages[k].param_bytes for k in done)
-        floors.append(Floor(update, parts, result.peak_bytes, str(peak.op), gradients))
+        floors.append(Floor(update, parts, result.peak_bytes, _working_set(problem, peak.op), gradients))
     return floors
+
+
+def _working_set(chain, op) -> str:
+    """Whose working set the operation ``op`` is: the loss head's (the loss, or the last stage's backward,
+    which holds the loss's gradient), else its stage's."""
+    if op.kind == "Loss" or (op.kind == "B" and op.stage == chain.length - 1):
+        return f"{op} (the loss head)"
+    return f"{op} ({chain.stages[op.stage].name}'s working set)"
 
 
 def solve_within(chain, budget: int, solver: str, how: str = None, **options):

@@ -104,6 +104,10 @@ def test_the_floors_are_the_resident_state_plus_the_least_step():
     assert floors["in-backward"].total == 36000 + minimum_budget(updated_chain(chain, "in-backward"))
     assert floors["on-host"].total == 12000 + minimum_budget(updated_chain(chain, "in-backward"))
     assert floors["on-host"].total < floors["in-backward"].total < floors["after"].total
+    assert floors["after"].at == "B 0 (s0's working set)" and floors["after"].gradients == 8000  # B 2's, B 1's
+    head = dataclasses.replace(chain, stages=chain.stages[:2] + (dataclasses.replace(chain.stages[2],
+                                                                                   bwd_tmp_bytes=10**6),))
+    assert whole_step_floors(head, TrainingSetup("adam"))[0].at == "B 2 (the loss head)"
 
 
 @pytest.mark.parametrize("spec", ["gpt2", RESNET_LIKE])
@@ -115,9 +119,11 @@ def test_options_lower_the_whole_step_floor_by_at_least_30_percent(spec):
     else:
         _, staged = build_fake(lambda: _staged(spec))
     chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, estimate=True, options=2)
-    floors = {f.update: f.total for f in whole_step_floors(chain, TrainingSetup("adam"))}
+    found = {f.update: f for f in whole_step_floors(chain, TrainingSetup("adam"))}
+    floors = {update: floor.total for update, floor in found.items()}
     assert floors["on-host"] <= 0.7 * floors["after"]
     assert floors["in-backward"] < floors["after"]
+    assert found["after"].at.startswith(("B ", "F_", "Loss"))
 
 
 # -- execution ------------------------------------------------------------------------------------
