@@ -25,7 +25,7 @@ from planner.units import sum_seconds
 
 CHAIN_FORMAT = "memsched.chain/1"
 _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes",
-                 "bwd_tmp_bytes", "param_bytes", "own_saved_bytes", "options")
+                 "bwd_tmp_bytes", "param_bytes", "own_saved_bytes", "options", "held_bwd_tmp_bytes")
 _OPTION_FIELDS = ("recompute", "fwd_time", "bwd_time", "saved_bytes", "own_saved_bytes", "fwd_tmp_bytes",
                   "bwd_tmp_bytes")
 _CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared")
@@ -71,6 +71,10 @@ class Stage:
     nograd_tmp_bytes: int = None  # None: as fwd_tmp_bytes
     own_saved_bytes: int = None  # None: as saved_bytes
     options: tuple = ()
+    # The backward's temporaries when its caller holds the stage's outputs to its end (a pipeline engine holds a
+    # device's output): more than bwd_tmp_bytes by an output the backward saved and frees early. None: the same
+    # (read it through held_bwd_tmp).
+    held_bwd_tmp_bytes: int = None
 
     def __post_init__(self):
         if self.nograd_tmp_bytes is None:
@@ -78,11 +82,17 @@ class Stage:
         if self.own_saved_bytes is None:
             object.__setattr__(self, "own_saved_bytes", self.saved_bytes)
 
+    @property
+    def held_bwd_tmp(self) -> int:
+        """Bytes: the backward's temporaries with the stage's outputs held to its end (``held_bwd_tmp_bytes``)."""
+        return self.bwd_tmp_bytes if self.held_bwd_tmp_bytes is None else self.held_bwd_tmp_bytes
+
     def to_dict(self) -> dict:
         """The stage's JSON object; ``own_saved_bytes`` only where it differs from ``saved_bytes`` (its default)
         and ``options`` only when there are some, so that chains without them keep their fingerprints."""
         fields = [f for f in _STAGE_FIELDS if (f != "own_saved_bytes" or self.own_saved_bytes != self.saved_bytes)
-                  and (f != "options" or self.options)]
+                  and (f != "options" or self.options)
+                  and (f != "held_bwd_tmp_bytes" or self.held_bwd_tmp != self.bwd_tmp_bytes)]
         return {field: [option.to_dict() for option in self.options] if field == "options" else getattr(self, field)
                 for field in fields}
 
@@ -195,7 +205,8 @@ class Chain:
         stages = tuple(_stage_from_dict(raw, f"{where}: stages[{i}]", i) for i, raw in enumerate(raw_stages))
         loss = _loss_from_dict(data.get("loss", {}), f"{where}: loss")
         validate.total_bytes([input_bytes, loss.tmp_bytes, loss.saved_bytes] + [  # own_saved_bytes: inside saved_bytes
-            getattr(s, f) for s in stages for f in _STAGE_FIELDS if f.endswith("_bytes") and f != "own_saved_bytes"],
+            getattr(s, f) for s in stages for f in _STAGE_FIELDS
+            if f.endswith("_bytes") and f not in ("own_saved_bytes", "held_bwd_tmp_bytes")],
                              where)
         transfer = None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer")
         measured = None if data.get("measured_on") is None else MeasuredOn.from_dict(
@@ -234,6 +245,12 @@ def _stage_from_dict(raw, where: str, index: int) -> Stage:
             "(it is saved_bytes less the outputs the stage's backward does not read)"
         )
     values["options"] = _options_from_list(raw.get("options", []), f"{where}.options", values["out_bytes"])
+    if "held_bwd_tmp_bytes" in raw:
+        held = values["held_bwd_tmp_bytes"] = validate.non_negative_bytes(raw["held_bwd_tmp_bytes"],
+                                                                          f"{where}.held_bwd_tmp_bytes")
+        if not values["bwd_tmp_bytes"] <= held <= values["bwd_tmp_bytes"] + values["out_bytes"]:
+            raise MemschedError(f"{where}.held_bwd_tmp_bytes = {held} must be between bwd_tmp_bytes = "
+                                f"{values['bwd_tmp_bytes']} and bwd_tmp_bytes + out_bytes (the held outputs)")
     return Stage(**values)
 
 

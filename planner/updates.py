@@ -90,7 +90,7 @@ def updated_chain(chain, update: str, transfer=None, host=None):
                                                                      option.own_saved_bytes, stage.out_bytes))
                         for option in stage.options)
         stages.append(dataclasses.replace(
-            stage, param_bytes=stays, bwd_time=stage.bwd_time + copies, options=options,
+            stage, param_bytes=stays, bwd_time=stage.bwd_time + copies, options=options, held_bwd_tmp_bytes=None,
             bwd_tmp_bytes=_transient(stage.bwd_tmp_bytes, made, stage.own_saved_bytes, stage.out_bytes)))
     return dataclasses.replace(chain, stages=tuple(stages))
 

@@ -236,13 +236,26 @@ class _Runner:
             gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
             # An output no backward saved is not held at this stage's backward in the model (B k+1 released it):
             # the executor drops it first, and so does the measured backward (release), from a start without it.
-            unsaved = sum(size for key, size in storages(outputs).items() if key not in packed and key not in not_kept)
+            output_storages = storages(outputs)
+            unsaved = sum(size for key, size in output_storages.items() if key not in packed and key not in not_kept)
+            saved_outputs = any(key in packed for key in output_storages)
             meter.reset_peak()
             start = meter.current - unsaved
             del output
             _backward(outputs, stage_input, module, release=True)
             backward_peak = meter.peak - start - gradient_bytes  # δ_{k+1}: resident in the model, made here
             del packed, outputs, stage_input
+            held_peak = backward_peak
+            if saved_outputs:  # and once more with the outputs held to the end, as a pipeline engine holds them
+                for parameter in _module_parameters(module):
+                    parameter.grad = None
+                stage_input = _fresh_input(activation, needs_grad)
+                outputs = _tensors(call(stage_input))
+                meter.reset_peak()
+                start = meter.current
+                _backward(outputs, stage_input, module)
+                held_peak = meter.peak - start - gradient_bytes
+                del outputs, stage_input
             meter.reset_peak()
             start = meter.current
             with torch.no_grad():
@@ -256,6 +269,7 @@ class _Runner:
             name=stage_name, fwd_time=fwd_time, bwd_time=bwd_time, out_bytes=out_bytes, saved_bytes=saved_bytes,
             fwd_tmp_bytes=max(0, forward_peak - saved_bytes), nograd_tmp_bytes=max(0, no_grad_peak - out_bytes),
             bwd_tmp_bytes=max(0, backward_peak - input_bytes), param_bytes=param_bytes, own_saved_bytes=own_saved_bytes,
+            held_bwd_tmp_bytes=max(0, backward_peak - input_bytes, held_peak - input_bytes) if saved_outputs else None,
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
 

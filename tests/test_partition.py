@@ -143,9 +143,10 @@ def uniform_chain(length):
 
 @pytest.mark.parametrize("parts,micro,schedule,peaks", [
     # One device, GPipe, 2 micro-batches: 80 B parameters + 2 inputs of 100; per micro-batch (above its input)
-    # forward peak 200, held 200, backward peak 400 (first backward 400, gradients 80 forming): the first
-    # backward runs with the other micro-batch held: 200 + 400.
-    ([(0, 2)], 2, "gpipe", [80 + 200 + 600]),
+    # forward peak 200, held 200, backward peak 440 (B 0: a_1's 100 beside the gradient of s1 (40), δ_0 (100)
+    # and the device's output a_2 (100), which the engine holds through the whole backward): the first
+    # backward runs with the other micro-batch held: 200 + 440.
+    ([(0, 2)], 2, "gpipe", [80 + 200 + 640]),
     # The same under 1F1B (one forward, one backward): the second forward runs beside the gradients (80) and
     # the output the engine still holds (100): 80 + 100 + 200 = 380 < the second backward's 80 + 400.
     ([(0, 2)], 2, "1f1b", [80 + 200 + 480]),
@@ -233,7 +234,7 @@ def test_a_million_micro_batches_is_as_fast_as_a_few():
 
 def test_one_device_one_micro_batch_is_the_chain_step():
     """With one device and one micro-batch the device's peak is the chain simulator's (gradients of the setup's
-    size) plus the resident state, and its time the chain's own step time."""
+    size) plus the resident state and the output the engine holds, and its time the chain's own step time."""
     chain = dataclasses.replace(uniform_chain(5), stages=tuple(
         dataclasses.replace(stage, fwd_tmp_bytes=30 * i, bwd_tmp_bytes=70 * i, param_bytes=40 + 8 * i)
         for i, stage in enumerate(uniform_chain(5).stages)))
@@ -241,8 +242,11 @@ def test_one_device_one_micro_batch_is_the_chain_step():
         plan = partition(chain, 1, 10**15, 1, setup=setup)
         assert plan.predicted.time == chain.compute_time
         parameters = -(-sum(s.param_bytes for s in chain.stages) // 4)
-        single = ChainSimulator(setup_chain(chain, setup)).run(store_all_schedule(5)).peak_bytes
-        assert plan.predicted.peak_bytes == setup.resident_bytes(parameters) + single
+        single = ChainSimulator(setup_chain(chain, setup)).run(store_all_schedule(5))
+        # the engine holds the device's output a_5 through the backwards of the stages before the last
+        held = [step.peak + (chain.act_bytes(5) if step.op.kind == "B" and step.op.stage < 4 else 0)
+                for step in single.timeline]
+        assert plan.predicted.peak_bytes == setup.resident_bytes(parameters) + max(held)
 
 
 def pipeline_plan(chain):

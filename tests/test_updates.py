@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 import cli
 from discovery_models import gpt2
-from planner.chain import Chain, Loss, Stage, load_chain
+from planner.chain import Chain, Loss, Stage, load_chain, save_chain
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.stages import default_loss, run_stages, trainable_parameters
@@ -312,3 +312,19 @@ def test_update_auto_puts_on_the_host_only_the_stages_that_pay_for_their_copies(
     plan, how = solve_for_budget(chain, "auto", "rotor", floors["in-backward"] - 1, TrainingSetup("adam"), "auto")
     assert plan.update == "on-host" and len(plan.host_stages) == 1, how
     assert "after does not fit, in-backward does not fit, on-host" in how and "for 1 of 4 stages" in how
+
+
+def test_a_stage_that_saves_its_output_records_its_backward_with_the_output_held(tmp_path):
+    """The profiler's backward drops the stage's outputs as the chain executor does (a ReLU's output, which
+    its backward saved, dies first thing); held to the end, as a pipeline engine holds a device's output,
+    the backward peaks higher: ``held_bwd_tmp_bytes``, written only where it differs, read back, bounded."""
+    staged = MODELS["mlp"](layers=2, width=64, batch=64)  # Linear + ReLU: the stage's output is ReLU's result
+    chain = profile_chain(staged.stages, staged.example_inputs, warmup=0, repeats=1, options=0)
+    stage = chain.stages[1]
+    assert stage.bwd_tmp_bytes < stage.held_bwd_tmp <= stage.bwd_tmp_bytes + stage.out_bytes
+    save_chain(chain, tmp_path / "c.json")
+    assert load_chain(tmp_path / "c.json") == chain
+    raw = chain.to_dict()
+    raw["stages"][1]["held_bwd_tmp_bytes"] = stage.bwd_tmp_bytes + stage.out_bytes + 1
+    with pytest.raises(MemschedError, match="held_bwd_tmp_bytes = .* must be between bwd_tmp_bytes"):
+        Chain.from_dict(raw)

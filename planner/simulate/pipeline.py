@@ -167,7 +167,9 @@ def sub_chain(chain: Chain, first: int, last: int) -> Chain:
         raise MemschedError(f"stage range [{first}, {last}) is not a non-empty range of chain '{chain.name}' "
                             f"({chain.length} stages)")
     stages = [dataclasses.replace(stage, param_bytes=0) for stage in chain.stages[first:last]]
-    stages[-1] = dataclasses.replace(stages[-1], own_saved_bytes=stages[-1].saved_bytes)
+    # The engine holds the last stage's output through its backward: its temporaries as measured so.
+    stages[-1] = dataclasses.replace(stages[-1], own_saved_bytes=stages[-1].saved_bytes,
+                                     bwd_tmp_bytes=stages[-1].held_bwd_tmp, held_bwd_tmp_bytes=None)
     loss = chain.loss if last == chain.length else Loss(0.0, 0)
     return Chain(name=f"{chain.name}[{first}:{last}]", device=chain.device, input_bytes=chain.act_bytes(first),
                  stages=tuple(stages), loss=loss)
@@ -217,10 +219,9 @@ def device_state(chain: Chain, first: int, last: int, setup: TrainingSetup, micr
     output = chain.act_bytes(last)
     # NOTE [the engine holds a device's output]
     # The engine keeps the device's output a_last until the micro-batch's whole backward has run, where the replay
-    # frees it with the last stage's backward. At the backward of an earlier stage that reads its own output, the
-    # replay counts that output to the end of the operation while autograd frees it first thing: the two offset.
-    still_held = tuple(max(0, output - (stage.out_bytes if stage.own_saved_bytes == stage.saved_bytes else 0))
-                       for stage in chain.stages[first:last - 1]) + (0,)
+    # frees it with the last stage's backward: every earlier stage's backward holds it too. (An earlier stage's
+    # own output, saved by its last operation, dies first thing in its backward, as the profiler measures it.)
+    still_held = (output,) * (last - 1 - first) + (0,)
     return DeviceState(resident=setup.resident_bytes(parameters),
                        buffers=micro_batches * (chain.act_bytes(first) + (0 if is_last else output)),
                        stage_gradients=_scaled(device_param_bytes(chain, first, last),
