@@ -231,12 +231,12 @@ class _Runner:
             not_kept = set(storages(_tensors(stage_input) + resident)) | parameter_keys
             kept = {key: size for key, size in packed.items() if key not in not_kept}
             own_saved_bytes = sum(kept.values())
-            kept.update(storages(outputs))
+            output_storages = storages(outputs)
+            kept.update(output_storages)
             saved_bytes = sum(kept.values())
             gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
             # An output no backward saved is not held at this stage's backward in the model (B k+1 released it):
             # the executor drops it first, and so does the measured backward (release), from a start without it.
-            output_storages = storages(outputs)
             unsaved = sum(size for key, size in output_storages.items() if key not in packed and key not in not_kept)
             saved_outputs = any(key in packed for key in output_storages)
             meter.reset_peak()
