@@ -75,15 +75,17 @@ class TrainingSetup:
         _check_parameters(parameters)
         return {item: math.ceil(value * parameters) for item, value in self._exact().items()}
 
-    def resident_bytes(self, parameters: int, on_device: int = 0) -> int:
-        """Per device: parameters, master copy and optimizer state (what exists before a step starts); with the
-        update on the host, the parameters and the master copy and state of the ``on_device`` parameters whose
-        stages update on the device (planner/updates.py, ``host_stages``)."""
+    def resident_parts(self, parameters: int, on_device: int = 0) -> dict:
+        """Per device, what exists before a step starts: ``params``, ``master`` and ``optimizer`` bytes; with the
+        update on the host, the master copy and state only of the ``on_device`` parameters whose stages update
+        on the device (planner/updates.py, ``host_stages``)."""
         sizes = self.breakdown(parameters)
-        if self.update == "on-host":
-            kept = self.breakdown(on_device)
-            return sizes["params"] + kept["master"] + kept["optimizer"]
-        return sizes["params"] + sizes["master"] + sizes["optimizer"]
+        kept = self.breakdown(on_device) if self.update == "on-host" else sizes
+        return {"params": sizes["params"], "master": kept["master"], "optimizer": kept["optimizer"]}
+
+    def resident_bytes(self, parameters: int, on_device: int = 0) -> int:
+        """Per device: the sum of :meth:`resident_parts`."""
+        return sum(self.resident_parts(parameters, on_device).values())
 
     def host_bytes(self, parameters: int) -> int:
         """Per device, what the update ``on-host`` keeps on the host: master copy, optimizer state and a buffer

@@ -27,6 +27,7 @@ from planner.execute.graph import GraphExecutor
 from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
+from planner.execute.updates import state_tensors
 from profiles.chain_profiler import profile_chain
 from profiles.graph_profiler import profile_graph
 from profiles.memory import memory_meter, storage_bytes
@@ -90,9 +91,7 @@ class Learner:
         """Bytes of the storages of the parameters and of the optimizer state on their device (an update on the
         host keeps its state there: not counted), as they are now."""
         optimizers = [self.optimizer] if self.optimizer is not None else self.updates.device_optimizers()
-        state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
-                 if isinstance(value, torch.Tensor)]
-        return storage_bytes(list(self.parameters) + state)
+        return storage_bytes(list(self.parameters) + state_tensors(optimizers))
 
 
 def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:

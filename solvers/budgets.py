@@ -97,18 +97,20 @@ def whole_step_floors(chain, setup) -> list:
     optimizer, precision and ZeRO stage (its own update ignored): the least budget of
     :func:`planner.training_setup.setup_chain` (stage options used) plus what the update leaves resident."""
     parameters = parameters_of(chain)
-    floors = []
+    floors, steps = [], {}
     for update in UPDATES:
         trained = dataclasses.replace(setup, update=update)
-        sized = trained.breakdown(parameters)
-        parts = {"params": sized["params"]} if update == "on-host" else {
-            item: sized[item] for item in ("params", "master", "optimizer")}
-        problem = setup_chain(chain, trained)
-        result = ChainSimulator(problem).run(least_memory_schedule(problem, options=True))
-        peak = max(result.timeline, key=lambda step: step.peak)
-        done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
-        gradients = sum(problem.stages[k].param_bytes for k in done)
-        floors.append(Floor(update, parts, result.peak_bytes, _working_set(problem, peak.op), gradients))
+        parts = trained.resident_parts(parameters)
+        # on the host the step's bytes are in-backward's (its copies take time only): one least schedule for both
+        kind = "after" if update == "after" else "in-backward"
+        if kind not in steps:
+            problem = setup_chain(chain, trained)
+            result = ChainSimulator(problem).run(least_memory_schedule(problem, options=True))
+            peak = max(result.timeline, key=lambda step: step.peak)
+            done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
+            steps[kind] = (result.peak_bytes, _working_set(problem, peak.op),
+                           sum(problem.stages[k].param_bytes for k in done))
+        floors.append(Floor(update, parts, *steps[kind]))
     return floors
 
 

@@ -37,6 +37,12 @@ def fused_optimizer(name: str, parameters, lr: float) -> torch.optim.Optimizer:
                         f"{', '.join(UPDATE_OPTIMIZERS)}")
 
 
+def state_tensors(optimizers) -> list:
+    """The tensors of the ``optimizers``' state (moments, momentum buffers, step counters)."""
+    return [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
+            if isinstance(value, torch.Tensor)]
+
+
 class StageUpdates:
     """Per stage, the optimizers of the parameters complete after its backward (``modules``: the stages in order).
 
@@ -116,10 +122,7 @@ class StageUpdates:
         """``(tensor, copy)`` for every parameter, master copy and optimizer state tensor: what :meth:`restore`
         puts back (a measuring run that must not count as a training step)."""
         tensors = [p for group in self.groups.values() for entry in group for p in entry[:2] if p is not None]
-        for optimizer in self.optimizers.values():
-            tensors += [value for state in optimizer.state.values() for value in state.values()
-                        if isinstance(value, torch.Tensor)]
-        return [(t, t.detach().clone()) for t in tensors]
+        return [(t, t.detach().clone()) for t in tensors + state_tensors(self.optimizers.values())]
 
     @staticmethod
     def restore(saved: list) -> None:
