@@ -111,26 +111,27 @@ def _add_channel_arguments(parser, purpose: str) -> None:
     parser.add_argument("--latency", type=float, metavar="SECONDS", help="fixed seconds per transfer (default: 0)")
 
 
-def _add_setup_arguments(parser, device_memory_only: bool = False) -> None:
+def _add_setup_arguments(parser, training: bool = False) -> None:
     """``--device-memory`` and the training setup (planner/training_setup.py) that ``--budget auto`` and ``memory``
-    read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused)."""
+    read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused).
+    ``training``: train's, which trains with Adam in fp32, and with --dp on FSDP2."""
     parser.add_argument("--device-memory", metavar="BYTES",
                         help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
                              "parameters, gradients and optimizer state are counted")
     parser.add_argument("--update", choices=UPDATES + ("auto",), default="after",
                         help="optimizer update after the backward, in it per stage (in-backward), or so on the host; "
                              "auto: the fastest of them that fits --device-memory")
-    if device_memory_only:
-        return
-    parser.add_argument("--optimizer", metavar="NAME",
-                        help=f"optimizer whose state is resident: {', '.join(OPTIMIZERS)} (default: adam)")
-    parser.add_argument("--precision", metavar="NAME",
-                        help=f"{', '.join(PRECISIONS)}; bf16, fp16: mixed precision with an fp32 master copy "
-                             "(default: fp32)")
+    if not training:
+        parser.add_argument("--optimizer", metavar="NAME",
+                            help=f"optimizer whose state is resident: {', '.join(OPTIMIZERS)} (default: adam)")
+        parser.add_argument("--precision", metavar="NAME",
+                            help=f"{', '.join(PRECISIONS)}; bf16, fp16: mixed precision with an fp32 master copy "
+                                 "(default: fp32)")
     parser.add_argument("--zero", type=int, metavar="STAGE",
                         help="ZeRO stage 0-3 over the --dp ranks: 1 shards optimizer state and master copy, "
-                             "2 also gradients, 3 also parameters (default: 0)")
-    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (default: 1)")
+                             "2 also gradients, 3 also parameters (default: 0; train --dp: 2 or 3, default 3)")
+    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (default: 1; train: on FSDP2's "
+                                                            "fully_shard, a process and a part of the batch each)")
 
 
 _SETUP_FLAGS = ("--device-memory", "--optimizer", "--precision", "--zero", "--dp")  # the last four: TrainingSetup's
@@ -202,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--budget", metavar="B", help="memory budget as for solve (needed unless --plan is given); "
                                                      "auto: what --device-memory leaves beside the fp32 parameters, "
                                                      "gradients and Adam state this command trains with")
-    _add_setup_arguments(train, device_memory_only=True)
+    _add_setup_arguments(train, training=True)
     train.add_argument("--solver", default="auto", metavar="NAME", help="solver (default: auto)")
     train.add_argument("--plan", metavar="PLAN.json", help="train by this plan instead of solving")
     train.add_argument("--chain", metavar="CHAIN.json", help="use this profile instead of profiling")
@@ -224,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
     train.add_argument("--max-grad-norm", type=float, metavar="NORM", help="clip the gradients' global norm to NORM")
     train.add_argument("--progress-timeout", type=float, metavar="SECONDS",
-                       help="--plan pipeline.json: stop the run when no step has finished for this long (each "
+                       help="--plan pipeline.json, --dp: stop the run when no step has finished for this long (each "
                             "rank's setup milestones count as progress; default: 300)")
 
     demo = commands.add_parser("demo", help="profile, solve, show and train the built-in gpt-tiny at half its memory",
@@ -327,6 +328,7 @@ def _parser() -> argparse.ArgumentParser:
 def _profile(args) -> None:
     from profiles.chain_profiler import profile_chain  # torch loads only for the commands that need it
     from profiles.spec import load_model
+    from profiles.training import profiled_for_training as _profiled
 
     if args.throughput is not None and not args.estimate:
         raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate")
@@ -358,8 +360,12 @@ def _train(args) -> None:
     from planner.execute.stages import checked_device
     from profiles.spec import load_model
     from profiles.training import check_measured_on, train_chain_plan, train_pipeline
+    from profiles.training import profiled_for_training as _profiled
 
     checked_device(args.device)
+    if args.dp is not None or args.zero is not None:
+        _train_sharded(args)
+        return
     if args.progress_timeout is not None and (args.graph or not args.plan):
         raise MemschedError("--progress-timeout bounds a pipeline run: give it with --plan pipeline.json")
     model, _ = load_model(args.spec, batch=args.batch)
@@ -406,35 +412,32 @@ def _train(args) -> None:
 
 
 def _demo(args) -> None:
-    from profiles.spec import load_model
-    from profiles.training import train_chain_plan
+    from profiles.demo import demo_lines
 
-    model, _ = load_model("gpt-tiny")
-    print("memsched demo: the built-in gpt-tiny, trained at half the memory of storing every activation\n")
-    chain = _profiled(model, "cpu")
-    budget = parse_budget("50%", solvers.store_all_peak(chain))
-    plan, rotor = (solvers.solve(chain, budget, name) for name in ("hierarchical", "rotor"))
-    result = simulate(chain, plan)
-    schedule = ["  " + line for line in render.compact_schedule(plan.schedule, width=76).splitlines()]
-    print("\n".join(render.chain_table(chain) + [""] + render.solve_summary(plan, "hierarchical")
-                    + [f"  (rotor, stages whole, at this budget: {rotor.predicted.overhead:+.1%})", "schedule:"]
-                    + schedule + [""] + render.ascii_timeline(result, plan.budget_bytes)) + "\n")
-    for line in _plotted_timeline(result, plan, args.plot):
-        print(line + "\n")
-    print("\n".join(render.training_table(plan, train_chain_plan(model, plan, chain, args.steps, "cpu", 1e-3))))
+    for block in demo_lines(args.steps, args.plot):
+        print(block)
 
 
-def _profiled(model, device, nodes: int = None, **options):
-    """``model`` profiled for a command that was given no profile (profiles/training.py), saying so on stderr."""
-    from profiles.training import profiled_for_training
+def _train_sharded(args) -> None:
+    """``train --dp N``: one rank's sharded step profiled and solved here, trained on N processes."""
+    from profiles.sharded_training import train_data_parallel
 
-    return profiled_for_training(model, device, nodes, lambda line: print(line, file=sys.stderr, flush=True),
-                                 **options)
+    unused = _given(args, "--plan", "--chain", "--offload-weights", "--max-grad-norm") + [flag for flag, given in (
+        ("--graph", args.graph), ("--compile", args.compile), ("--update", args.update != "after")) if given]
+    if unused or args.dp is None or not args.budget:
+        raise MemschedError("train --dp N [--zero 2|3] --budget B profiles and solves one rank's sharded step itself, "
+                            "eagerly, updating after the backward: " + (f"drop {unused[0]}" if unused else
+                                                                         "give --dp and --budget"))
+    print("\n".join(train_data_parallel(
+        args.spec, args.batch, args.dp, 3 if args.zero is None else args.zero, args.budget,
+        device_memory=args.device_memory, solver=args.solver, steps=args.steps, device=args.device, lr=args.lr,
+        progress_timeout=args.progress_timeout or 300.0)))
 
 
 def _train_graph(args, model) -> None:
     """``train --graph``: a graph plan (solved here, or ``--plan``) run by the graph executor."""
     from profiles.training import on_device, train_graph_plan
+    from profiles.training import profiled_for_training as _profiled
 
     if args.chain:
         raise MemschedError("--chain is a chain profile; with --graph give a graph profile as --graph GRAPH.json")
@@ -519,14 +522,6 @@ def _print_saved(lines, plan, output) -> None:
     print("\n".join(lines))
 
 
-def _plotted_timeline(result, plan, path, categories=None) -> list:
-    """Save ``result``'s memory timeline as a PNG at ``path`` (if given); the line saying so."""
-    if not path:
-        return []
-    plot_timeline(result, plan.budget_bytes, path, f"{plan.problem_name}: {plan.solver} plan", categories)
-    return [f"timeline plot written to {path}"]
-
-
 def _show(args) -> None:
     plan = load_plan(args.plan)
     check_plan_schedules(plan, args.plan)
@@ -546,9 +541,12 @@ def _show(args) -> None:
     problem = (load_graph if graph else load_chain)(path)
     check_plan_matches(plan, problem, args.plan)
     result = simulate(problem, plan)
-    categories = render.graph_op_categories(plan.schedule, problem) if graph else None
-    print("\n".join(render.shown_plan_lines(plan, problem, result) +
-                    _plotted_timeline(result, plan, args.plot, categories)))
+    lines = render.shown_plan_lines(plan, problem, result)
+    if args.plot:
+        plot_timeline(result, plan.budget_bytes, args.plot, f"{plan.problem_name}: {plan.solver} plan",
+                      render.graph_op_categories(plan.schedule, problem) if graph else None)
+        lines.append(f"timeline plot written to {args.plot}")
+    print("\n".join(lines))
 
 
 def _pareto(args) -> None:

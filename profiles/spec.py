@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from planner.errors import MemschedError
+from planner.execute.data_parallel import batch_part, rank_slice
 from planner.execute.stages import StagedModel, default_loss, named_stages
 from profiles import zoo
 from profiles.chain_profiler import build_fake
@@ -28,10 +29,11 @@ from profiles.discover import discover
 _module_counter = itertools.count()
 
 
-def load_model(spec: str, *, batch: int = None, estimate: bool = False):
+def load_model(spec: str, *, batch: int = None, estimate: bool = False, part: tuple = None):
     """``(model, fake_mode)``: the :class:`planner.execute.stages.StagedModel` that ``spec`` names, its parameters,
     buffers and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that
-    mode, else None; see :func:`profiles.chain_profiler.build_fake`)."""
+    mode, else None; see :func:`profiles.chain_profiler.build_fake`). ``part=(rank, world)``: on that data-parallel
+    rank's part of the batch (planner/execute/data_parallel.py), cut before the stages are found."""
     if _is_file_spec(spec):
         path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")
         factory = _file_factory(Path(path + ".py"), function or "build", batch)
@@ -45,7 +47,7 @@ def load_model(spec: str, *, batch: int = None, estimate: bool = False):
     if estimate:
         mode, built = _call(lambda: build_fake(factory), spec)
         return _as_model(built, name, spec), mode
-    return _as_model(_call(factory, spec), name, spec), None
+    return _as_model(_call(factory, spec), name, spec, part), None
 
 
 def _is_file_spec(spec: str) -> bool:
@@ -83,7 +85,12 @@ def _call(factory, spec):
         raise MemschedError(f"{spec}: building the model failed: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
-def _as_model(built, name, spec):
+def _as_model(built, name, spec, part=None):
+    if part is not None:  # the rank's part of the batch; a whole model's stages are then found on it
+        if isinstance(built, tuple) and len(built) in (2, 3) and _is_plain_module(built[0]):
+            built = (built[0], batch_part(built[1], *part), *built[2:])
+        else:
+            return rank_slice(_as_model(built, name, spec), *part)
     if isinstance(built, StagedModel):
         return built
     if not isinstance(built, tuple) or len(built) not in (2, 3):
@@ -115,7 +122,7 @@ def _one_line(exc) -> str:
     return " ".join(str(exc).split())
 
 
-def built_model(spec: str, batch: int = None):
+def built_model(spec: str, batch: int = None, part: tuple = None):
     """The model of ``spec`` alone (module level, so that ``functools.partial(built_model, spec)`` can be sent to
     worker processes)."""
-    return load_model(spec, batch=batch)[0]
+    return load_model(spec, batch=batch, part=part)[0]

@@ -15,6 +15,7 @@ statistics on a GPU. Times are wall clock with synchronisation.
 
 import copy
 import functools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -241,7 +242,12 @@ def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float =
             f"{steps} steps on {device}"] + summary_lines(results)
 
 
-def profiled_for_training(model, device, nodes: int = None, say=print, **options):
+def say_on_stderr(line: str) -> None:
+    """What a command is doing, told on stderr (its results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def profiled_for_training(model, device, nodes: int = None, say=say_on_stderr, **options):
     """``model`` profiled on ``device`` into a chain (its stages' options measured: profiles/options.py), or with
     ``nodes`` (and ``options`` for :func:`profiles.graph_profiler.profile_graph`) its training step into a graph
     of at most that many nodes; ``say(line)`` tells what is being done."""

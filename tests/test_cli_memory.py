@@ -157,5 +157,8 @@ def test_train_budget_auto(capsys, tmp_path):
     assert status == 0, err
     assert out.startswith("budget auto: device 1073741824 bytes") and f"budget     {budget} bytes" in out
     status, out, err = run(capsys, "train", SMALL, "--chain", chain_path, "--budget", "auto", "--device-memory",
+                           "1GiB", "--optimizer", "sgd")
+    assert status == 2 and "unrecognized arguments: --optimizer sgd" in err  # train runs fp32 Adam
+    status, out, err = run(capsys, "train", SMALL, "--chain", chain_path, "--budget", "auto", "--device-memory",
                            "1GiB", "--zero", "2")
-    assert status == 2 and "unrecognized arguments: --zero 2" in err  # train runs fp32 Adam on one device
+    assert status == 2 and "sharded step itself" in err and "drop --chain" in err  # --zero shards over --dp ranks

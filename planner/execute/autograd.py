@@ -79,8 +79,10 @@ def _non_overlapping_and_dense(tensor) -> bool:
     return True
 
 
-def differentiate(pairs, inputs) -> list:
-    """Gradients of ``inputs`` from ``[(gradient edge, incoming gradient), ...]``, autograd owning the gradients.
+def differentiate(pairs, inputs, accumulate: bool = False) -> list:
+    """Gradients of ``inputs`` from ``[(gradient edge, incoming gradient), ...]``, autograd owning the gradients;
+    with ``accumulate``, added into the inputs' ``.grad`` by autograd itself (its hooks see them: FSDP2's
+    post-backward reduces them) and None returned.
 
     Autograd is given zero-stride placeholders of the right shapes, and a hook on each edge's node swaps in
     the real gradient just before the node runs: from then on autograd alone holds it and frees it once
@@ -109,6 +111,9 @@ def differentiate(pairs, inputs) -> list:
 
     handles = [node.register_prehook(swap_in(entries)) for node, entries in by_node.items()]
     try:
+        if accumulate:
+            torch.autograd.backward(edges, placeholders, inputs=inputs)
+            return None
         return list(torch.autograd.grad(edges, inputs, placeholders, allow_unused=True))
     finally:
         for handle in handles:

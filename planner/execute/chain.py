@@ -19,6 +19,7 @@ from planner.execute.fusion import fused_positions, output_releases
 from planner.execute.host_weights import prepare_host_weights, weights_on_device
 from planner.execute.offload import OffloadStepRun
 from planner.execute.records import input_specs, stage_specs
+from planner.execute.sharded import ShardedStepRun
 from planner.execute.stages import named_stages
 from planner.execute.steprun import StepRun
 from planner.execute.updates import StageUpdates
@@ -29,7 +30,7 @@ from planner.simulate import check_schedule
 
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
-                   recomputes=None, compile: bool = False, update: tuple = None) -> "PlannedChain":
+                   recomputes=None, compile: bool = False, update: tuple = None, zero: int = None) -> "PlannedChain":
     """A module running ``stages`` by the chain ``schedule`` (its stage count and the simulator's rules checked
     first, nothing run).
 
@@ -44,6 +45,8 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     ``(update, optimizer, lr, host_stages)`` for an optimizer update inside the backward
     (planner/execute/updates.py); each stage's backward then runs on its own (``fuse=False``), its gradients
     updated and freed after it (eagerly: a compiled run would make several stages' gradients at once).
+    ``zero``: the stages are sharded by planner/execute/sharded.py for ZeRO 2 or 3, and run by its
+    :class:`planner.execute.sharded.ShardedStepRun` (eagerly, each stage's backward on its own).
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
@@ -58,13 +61,17 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
                             "do not mix; solve with --solver hierarchical or an offload solver, not both")
     if compile and any(op.kind in TRANSFER_OPS for op in schedule):
         raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
+    if zero is not None and (compile or update is not None or recomputes or any(op.kind in TRANSFER_OPS
+                                                                               for op in schedule)):
+        raise MemschedError("a sharded run (--dp) runs plans eagerly, without transfers, stage options or an "
+                            "update inside the backward")
     if update is not None and (compile or any(op.kind in TRANSFER_OPS for op in schedule)):
         raise MemschedError(f"update {update[0]!r} runs plans eagerly and without transfers: drop --compile, or "
                             "solve without offloading")
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
-    return PlannedChain(pairs, tuple(schedule), fuse and update is None, measured_on, source, recomputes, compile,
-                        update)
+    return PlannedChain(pairs, tuple(schedule), fuse and update is None and zero is None, measured_on, source,
+                        recomputes, compile, update, zero)
 
 
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False, optimizer: str = "adam",
@@ -127,7 +134,7 @@ class PlannedChain(torch.nn.Module):
     """
 
     def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None,
-                 compile: bool = False, update: tuple = None):
+                 compile: bool = False, update: tuple = None, zero: int = None):
         super().__init__()
         self.compiled = compile
         self._compiled_stages = {}
@@ -142,7 +149,8 @@ class PlannedChain(torch.nn.Module):
         # Transfers run through planner/execute/offload.py, which always fuses as the transfers allow.
         self.continued, self.absorbed, self.kept_outputs = (fused_positions(schedule) if fuse or moves_data
                                                             else (set(), set(), set()))
-        self.run_type = OffloadStepRun if moves_data else StepRun
+        self.run_type = OffloadStepRun if moves_data else ShardedStepRun if zero is not None else StepRun
+        self.zero = zero
         self.host_weights = prepare_host_weights([module for _, module in pairs], schedule)
         # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):
         # the loops below skip it, so a fused graph costs one operation's bookkeeping, as in a plain step.

@@ -4,8 +4,10 @@ A ``TorchDispatchMode`` that sees every operation, counts the storage of each te
 *non-aliasing* result (views such as ``t()`` or ``detach()`` of a parameter allocate nothing), keyed by storage,
 and releases it through ``weakref.finalize`` when the storage dies. It reports the bytes allocated since the
 window opened (``current`` and ``peak``); what existed before (parameters, the input) is not counted. Open a
-window with gradients already ``None`` and optimizer state already created. The selective-checkpoint policy
-predicts its peak with it (on fake tensors); the profilers and tests measure with it
+window with gradients already ``None`` and optimizer state already created. A storage resized in place
+(``UntypedStorage.resize_``, as FSDP2 frees and re-allocates its all-gathered parameters) is followed too: a
+counted one changes by the difference, one from before the window counts from when it grows from empty. The
+selective-checkpoint policy predicts its peak with it (on fake tensors); the profilers and tests measure with it
 (:func:`profiles.memory.memory_meter`).
 """
 
@@ -13,6 +15,17 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_ACTIVE = []  # the trackers inside their ``with`` block, which storage resizes are reported to
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_seen(storage, size):
+    before = storage.nbytes()
+    result = _RESIZE(storage, size)
+    for tracker in _ACTIVE:
+        tracker._resized(storage, before)
+    return result
 
 
 class LiveMemoryTracker(TorchDispatchMode):
@@ -23,6 +36,18 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._live = {}  # storage key -> bytes
         self.current = 0
         self.peak = 0
+
+    def __enter__(self):
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _resize_seen
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -43,6 +68,16 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.current += size
         self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._released, key)
+
+    def _resized(self, storage, before: int) -> None:
+        key = storage._cdata
+        if key in self._live:
+            size = storage.nbytes()
+            self.current += size - self._live[key]
+            self._live[key] = size
+            self.peak = max(self.peak, self.current)
+        elif before == 0:
+            self._allocated(storage)
 
     def _released(self, key) -> None:
         self.current -= self._live.pop(key, 0)

@@ -11,6 +11,7 @@ named), and a run that makes no progress for ``progress_timeout`` seconds; the o
 and every child is joined. Ranks die with the parent. How: docs/execution.md ("Pipeline executor").
 """
 
+import functools
 import os
 import socket
 import tempfile
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 
 import planner.validate as validate
 from planner.errors import MemschedError
-from planner.execute.pipeline_rank import STARTUP_TIMEOUT, check_model, rank_worker
+from planner.execute.pipeline_rank import STARTUP_TIMEOUT, check_model, rank_worker, run_rank
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import named_stages
 from planner.measured_on import record_of
@@ -84,7 +85,9 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     built = model()
     _check_measured_on(built, plan, chain, check_model(built, plan))
     del built
-    return _launch(model, plan, steps, meter, device, lr, progress_timeout, return_grads, seed, world)
+    job = functools.partial(run_rank, model=model, plan=plan, steps=steps, meter=meter, lr=lr,
+                            return_grads=return_grads, seed=seed)
+    return launch_ranks(job, world, device, progress_timeout)
 
 
 def _cpu_ranks() -> int:
@@ -117,21 +120,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(model, plan, steps, meter, device, lr, progress_timeout, return_grads, seed, world) -> list:
+def launch_ranks(job, world: int, device: str, progress_timeout: float, label: str = "pipeline",
+                 threads: int = 1) -> list:
+    """Run ``job(rank, world, where, report)`` (picklable) on ``world`` processes joined in one process group
+    (planner/execute/pipeline_rank.py's :func:`rank_worker`), each with ``threads`` torch threads, watching
+    their progress; return each rank's result. Failures and stalls are one line naming the rank, ``label``
+    naming the run."""
     context = mp.get_context("spawn")
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="memsched-pipeline-") as folder:
+    with tempfile.TemporaryDirectory(prefix=f"memsched-{label}-") as folder:
         ranks = []
         try:
             for rank in range(world):
                 reader, writer = context.Pipe(duplex=False)
                 process = context.Process(target=rank_worker, daemon=True,
-                                          args=(rank, world, port, folder, writer, os.getpid(), model, plan, steps,
-                                                meter, device, lr, progress_timeout, return_grads, seed))
+                                          args=(rank, world, port, folder, writer, os.getpid(), device,
+                                                progress_timeout, job, threads))
                 process.start()
                 writer.close()  # the rank holds the only writer: the pipe ends when the rank does
                 ranks.append(_Rank(rank, process, reader))
-            _wait(ranks, progress_timeout)
+            _wait(ranks, progress_timeout, label)
         finally:
             for r in ranks:
                 if r.done:  # let it exit on its own first
@@ -179,7 +187,7 @@ class _Rank:
         return False
 
 
-def _wait(ranks, progress_timeout) -> None:
+def _wait(ranks, progress_timeout, label) -> None:
     """Until every rank has exited cleanly. The first failure, or no progress for ``progress_timeout`` seconds
     (no step finished, no setup milestone passed), as one line."""
     readers = {r.reader: r for r in ranks}
@@ -198,13 +206,13 @@ def _wait(ranks, progress_timeout) -> None:
             failed = now if failed is None else failed
             if now > failed + _FAILURE_GRACE or None not in codes:
                 _drain(readers, now)
-                raise MemschedError(_first_failure(ranks))
+                raise MemschedError(_first_failure(ranks, label))
             until = failed + _FAILURE_GRACE
         else:
             # Starting a rank (a fresh interpreter importing torch) is no step: it may take longer.
             limit = progress_timeout if all(r.started for r in ranks) else max(progress_timeout, STARTUP_TIMEOUT)
             if now - progress > limit:
-                raise MemschedError(_stalled(ranks, limit, now))
+                raise MemschedError(_stalled(ranks, limit, now, label))
             until = progress + limit
         # A rank still running in this round's look is waited on, so the list is never empty.
         ready = wait(list(readers) + [r.process.sentinel for r, code in zip(ranks, codes) if code is None],
@@ -225,7 +233,7 @@ def _drain(readers, now) -> bool:
     return progressed
 
 
-def _stalled(ranks, progress_timeout, now) -> str:
+def _stalled(ranks, progress_timeout, now, label: str = "pipeline") -> str:
     alive = [r for r in ranks if r.process.exitcode is None]
     busy = [r for r in alive if r.busy and not r.done]
     if busy:  # stuck in its own work (the others wait on it)
@@ -234,21 +242,22 @@ def _stalled(ranks, progress_timeout, now) -> str:
     else:
         who = "every rank waits on another: " + "; ".join(f"rank {r.rank} made no progress for {now - r.since:.1f} s "
                                                           f"({r.doing})" for r in alive)
-    return (f"pipeline run timed out after {progress_timeout:g} s (ranks {[r.rank for r in alive]} still running) "
+    return (f"{label} run timed out after {progress_timeout:g} s (ranks {[r.rank for r in alive]} still running) "
             f"without a finished step: {who}; give --progress-timeout more seconds if a step can take that long")
 
 
-def _first_failure(ranks) -> str:
+def _first_failure(ranks, label: str = "pipeline") -> str:
     """The cause: the earliest failure that is not a lost connection to a peer, else the earliest."""
     failures = []
     for r in ranks:
         if r.error is not None:
             stamp, message, lost_peer = r.error
-            failures.append((lost_peer, stamp, r.rank, f"pipeline rank {r.rank} failed: {message}"))
+            failures.append((lost_peer, stamp, r.rank, f"{label} rank {r.rank} failed: {message}"))
         elif r.died is not None:
             code = r.process.exitcode
             why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            failures.append((False, r.died, r.rank, f"pipeline rank {r.rank} died ({why}) without reporting an error"))
+            failures.append((False, r.died, r.rank, f"{label} rank {r.rank} died ({why}) without reporting an "
+                                                    "error"))
     _, _, rank, message = min(failures)
     after = sorted(f[2] for f in failures if f[2] != rank)
     if after:

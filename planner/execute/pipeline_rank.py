@@ -247,16 +247,16 @@ class Reporter:
 # imports this module, then refuses a torch build without ``torch.distributed`` in one line (run_pipeline)
 # instead of failing on the import, and the rank's import time counts as its start (held to the startup
 # timeout, not to the progress timeout).
-def rank_worker(rank, world, port, folder, connection, parent, model, plan, steps, meter, device, lr, progress_timeout,
-                return_grads, seed) -> None:
-    """The rank's process: set up, :func:`run_rank`, save the result in ``folder``; any failure reported in one line."""
+def rank_worker(rank, world, port, folder, connection, parent, device, progress_timeout, job, threads=1) -> None:
+    """The rank's process: join the process group, ``job(rank, world, where, report)`` (:func:`run_rank` for a
+    pipeline) on ``threads`` torch threads, save its result in ``folder``; any failure reported in one line."""
     die_with_parent(parent)
     report = Reporter(connection)
     try:
         import torch.distributed.pipelining  # noqa: F401 - NOTE [pipelining import]
 
         report.doing("joining the process group", False, milestone=True)
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         if device == "cuda":
             torch.cuda.set_device(rank)
@@ -267,7 +267,7 @@ def rank_worker(rank, world, port, folder, connection, parent, model, plan, step
         # parent's message comes first.
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(progress_timeout, STARTUP_TIMEOUT) + 60))
-        result = run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed, report)
+        result = job(rank, world, where, report)
         report.doing("saving its results", True)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
         report.doing("waiting for its peers to finish", False)
@@ -300,7 +300,7 @@ class _Range(torch.nn.Module):
         return run_stages(enumerate(self.stages), (x,))
 
 
-def run_rank(rank, world, model, plan, steps, meter, where, lr, return_grads, seed, report) -> RankResult:
+def run_rank(rank, world, where, report, *, model, plan, steps, meter, lr, return_grads, seed) -> RankResult:
     """Build this rank's stage and schedule, then run and measure ``steps`` steps."""
     report.doing("building its stage", True, milestone=True)
     torch.manual_seed(seed)

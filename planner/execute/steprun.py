@@ -155,13 +155,11 @@ class StepRun:
         pairs = [(edge, grad) for edge, grad in zip(graph.edges, incoming) if edge is not None and grad is not None]
         inputs = targets + self.gradient_inputs(graph, parameters)
         del incoming, graph
-        results = differentiate(pairs, inputs) if pairs and inputs else [None] * len(inputs)
+        results = self.differentiate_stage(pairs, targets, inputs, parameters)
         del inputs
-        parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
-        accumulate_grads(parameters, parameter_grads)
         if self.planned.updates is not None:  # the optimizer update inside the backward (planner/execute/updates.py)
             self.planned.updates.after_backward(i)
-        by_target = iter(results[:len(targets)])
+        by_target = iter(results)
         self.grads[first] = [next(by_target) if t.requires_grad else None for t in leaves]
         for k, tensor in enumerate(extras):  # extra inputs (an encoder's output) gather gradients from every stage
             if tensor.requires_grad:
@@ -231,6 +229,15 @@ class StepRun:
 
     def after_backward(self, i) -> None:
         """After ``B i`` has added its parameter gradients into ``.grad``."""
+
+    def differentiate_stage(self, pairs, targets, inputs, parameters) -> list:
+        """The gradients of ``targets`` (the graph's leaves needing them), once the gradients of ``parameters``
+        (``inputs`` after the targets: :meth:`gradient_inputs`) are in their ``.grad``; ``pairs`` as
+        :func:`differentiate` takes them."""
+        results = differentiate(pairs, inputs) if pairs and inputs else [None] * len(inputs)
+        parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
+        accumulate_grads(parameters, parameter_grads)
+        return results
 
     def gradient_inputs(self, graph, parameters) -> list:
         """What ``autograd.grad`` differentiates for ``parameters`` (tensors, or gradient edges)."""

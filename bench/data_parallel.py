@@ -1,0 +1,91 @@
+"""Sharded data-parallel benchmark: the least memory per rank of FSDP2 over 2 ranks against one device's.
+
+    python bench/data_parallel.py [MODEL ...] [--steps N]
+
+For each model (default: ``gpt2``, the Hugging Face GPT-2 of examples/gpt2_factory.py, tied embeddings kept whole;
+``resnet-like``, resnet-tiny as wide as ResNet-18's deep layers at a small image), in one run:
+
+* ``one device``: the whole batch on one device with Adam, updating after the backward (today's floor) or in
+  it (planner/updates.py): resident parameters and state plus the least step budget (hierarchical solver);
+* ``ZeRO 2``, ``ZeRO 3``: each of 2 ranks with half the batch on ``fully_shard`` (planner/sharding.py): its
+  resident shards and state, ZeRO 2's whole parameters, plus the least budget of its sharded step; then trained
+  at that floor on 2 processes (gloo), with the measured peak of each rank over the prediction, and the
+  seconds of a rank's step against one device's planned step at its own floor (same whole batch, one process).
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import solvers  # noqa: E402
+from planner.execute.data_parallel import run_data_parallel  # noqa: E402
+from planner.execute.records import find_shared  # noqa: E402
+from planner.execute.sharded import shard_units  # noqa: E402
+from planner.execute.stages import named_stages  # noqa: E402
+from planner.sharding import rank_resident, sharded_chain, step_constant  # noqa: E402
+from planner.training_setup import TrainingSetup  # noqa: E402
+from profiles.chain_profiler import profile_chain  # noqa: E402
+from profiles.memory import memory_meter  # noqa: E402
+from profiles.options import DEFAULT_OPTIONS  # noqa: E402
+from profiles.spec import built_model  # noqa: E402
+from profiles.training import train_chain_plan  # noqa: E402
+from solvers.budgets import whole_step_floors  # noqa: E402
+from solvers.minimum import minimum_budget  # noqa: E402
+
+MIB = 2**20
+MODELS = {"gpt2": "examples/gpt2_factory.py:build", "resnet-like": "resnet-tiny:channels=128,size=16"}
+BATCH = 8
+
+
+def rows(name: str, steps: int) -> list:
+    spec = MODELS[name]
+    whole = built_model(spec, batch=BATCH)
+    chain = profile_chain(whole.stages, whole.example_inputs, loss_fn=whole.loss_fn, name=name,
+                          options=DEFAULT_OPTIONS)
+    floors = {floor.update: floor for floor in whole_step_floors(chain, TrainingSetup("adam"))}
+    today = floors["after"]
+    plan = solvers.solve(chain, today.step, "hierarchical")
+    single = statistics.median(m.seconds for m in train_chain_plan(whole, plan, chain, steps).planned)
+    lines = [f"{name}: batch {BATCH}, Adam fp32",
+             f"  one device   after        floor {today.total / MIB:8.2f} MiB, step {single:.4f} s",
+             f"  one device   in-backward  floor {floors['in-backward'].total / MIB:8.2f} MiB "
+             f"({1 - floors['in-backward'].total / today.total:6.1%} lower)"]
+    del whole
+    part = built_model(spec, batch=BATCH, part=(0, 2))
+    pairs = named_stages(part.stages)
+    rank_chain = profile_chain(part.stages, part.example_inputs, loss_fn=part.loss_fn, name=name, options=0)
+    units = shard_units(pairs, 2)
+    resident = rank_resident(units, sum(entry.bytes for entry, _ in find_shared(pairs)))
+    for zero in (2, 3):
+        sharded = sharded_chain(rank_chain, zero, units)
+        least = minimum_budget(sharded)
+        constant = step_constant(zero, units)
+        plan = solvers.solve(sharded, least, "rotor")
+        predicted = plan.predicted.peak_bytes + constant
+        results = run_data_parallel(functools.partial(built_model, spec, batch=BATCH), plan, zero, 2, steps,
+                                    meter=memory_meter, predicted=predicted, chain=sharded)
+        floor = resident + least + constant
+        worst = max(abs(r.measured / predicted - 1) for r in results)
+        seconds = statistics.median(s for r in results for s in r.seconds[1:] or r.seconds)
+        lines.append(f"  2 ranks      ZeRO {zero}       floor {floor / MIB:8.2f} MiB per rank "
+                     f"({1 - floor / today.total:6.1%} lower; resident {resident / MIB:6.2f} + step "
+                     f"{(least + constant) / MIB:6.2f}), measured/predicted peak within {worst:.4%}, "
+                     f"step {seconds:.4f} s ({seconds / single:.2f}x one device's)")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", metavar="MODEL", help="gpt2, resnet-like (default: both)")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    for name in args.models or list(MODELS):
+        print("\n".join(rows(name, args.steps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Sharded data parallelism: one process per rank, each training the same chain plan on its slice of the batch.
+
+:func:`run_data_parallel` launches ``dp`` ranks (planner/execute/pipeline.py's launcher: spawn, gloo on CPU,
+NCCL on CUDA). Each builds the model, takes its slice of the batch (:func:`rank_slice`), shards the stages with
+FSDP2 (planner/execute/sharded.py), runs the plan's schedule, sums the gradients of shared parameters, steps Adam
+on its shards, and measures each step's peak in a window opened with the gradients ``None`` and the optimizer
+state made. Each returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data parallelism").
+"""
+
+import dataclasses
+import functools
+import os
+import time
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.errors import MemschedError
+from planner.execute.chain import apply_schedule
+from planner.execute.pipeline import check_progress_timeout, launch_ranks
+from planner.execute.records import input_specs, stage_specs
+from planner.execute.sharded import shard_stages, shared_parameters_of, sum_shared_gradients
+from planner.execute.stages import named_stages
+from planner.execute.updates import state_tensors
+from planner.measured_on import record_of
+from planner.sharding import check_sharding
+
+
+@dataclass
+class DataParallelResult:
+    """What one rank measured (bytes, seconds), and for the tests its whole gradients of the first step."""
+
+    rank: int
+    losses: list  # per step, the mean over the ranks of their losses: the whole batch's mean loss
+    peaks: list  # per step: the rank's input plus what its step allocated at its peak (bytes)
+    seconds: list  # per step, wall clock of forward, loss and backward
+    predicted: int  # the plan's peak for one rank's step (the sharded chain's, ZeRO 2's whole parameters added)
+    resident: int  # bytes of the rank's parameters (its padded shards, those kept whole) and Adam state
+    grads: dict  # parameter name -> whole gradient after the first step (None unless asked for)
+
+    @property
+    def measured(self) -> int:
+        """The last step's peak (the first also holds what FSDP2 allocates once)."""
+        return self.peaks[-1]
+
+
+def rank_slice(built, rank: int, world: int):
+    """The staged model ``built`` on rank ``rank``'s part of its batch: its inputs cut by :func:`batch_part`, and
+    the loss's target too when it closes over one (as the zoo's do: a row per sample or per token)."""
+    inputs, cut, batch = _parts(built.example_inputs, rank, world)
+    return dataclasses.replace(built, example_inputs=inputs, loss_fn=_sliced_loss(built.loss_fn, cut, batch))
+
+
+def batch_part(inputs, rank: int, world: int):
+    """``inputs`` (a tensor, or a tuple or dict of them and other values) with every tensor whose first dimension
+    is the batch (the first tensor's) cut into ``world`` equal parts: a copy of part ``rank``. A batch that does not
+    split evenly is refused in one line."""
+    return _parts(inputs, rank, world)[0]
+
+
+def _parts(inputs, rank: int, world: int) -> tuple:
+    """``(inputs cut, cut, batch)``: :func:`batch_part`'s result, the function cutting a tensor whose first
+    dimension is a multiple of the batch, and the batch."""
+    flat, spec = tree_flatten(inputs)
+    first = next((t for t in flat if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.dim():
+        raise MemschedError("data parallelism splits the model's first input along its first dimension: it must "
+                            "be a tensor")
+    batch = first.shape[0]
+    if batch % world:
+        raise MemschedError(f"the batch of {batch} does not split over {world} data-parallel ranks; give a batch that "
+                            f"is a multiple of {world} (--batch)")
+
+    def cut(value):
+        rows = value.shape[0] // world
+        return value[rank * rows:(rank + 1) * rows].clone()
+
+    parts = [cut(value) if _batch_sized(value, batch, exactly=True) else value for value in flat]
+    return tree_unflatten(parts, spec), cut, batch
+
+
+def _batch_sized(value, batch: int, exactly: bool = False) -> bool:
+    """A tensor whose first dimension is ``batch`` (or, not ``exactly``, a non-zero multiple of it)."""
+    if not isinstance(value, torch.Tensor) or not value.dim() or not value.shape[0]:
+        return False
+    return value.shape[0] == batch if exactly else value.shape[0] % batch == 0
+
+
+def _sliced_loss(loss_fn, cut, batch):
+    """``loss_fn`` with the one tensor it closes over whose first dimension is a multiple of the batch (its target:
+    a row per sample or per token), if any, cut to the rank's part."""
+    cells = getattr(loss_fn, "__closure__", None) or ()
+    found = [k for k, cell in enumerate(cells) if _batch_sized(_contents(cell), batch)]
+    if not found:
+        return loss_fn
+    if len(found) > 1:
+        raise MemschedError(f"data parallelism: the loss closes over {len(found)} tensors sized by the batch; it "
+                            "can split one target")
+    cells = tuple(types.CellType(cut(cell.cell_contents)) if k == found[0] else cell for k, cell in enumerate(cells))
+    return types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, cells)
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter, device: str = "cpu",
+                      lr: float = 1e-3, predicted: int, chain=None, return_grads: bool = False, seed: int = 0,
+                      progress_timeout: float = 300.0, threads: int = None) -> list:
+    """Train ``steps`` steps of ``model`` by the chain ``plan`` on ``dp`` ranks sharded for ZeRO ``zero``; a
+    :class:`DataParallelResult` per rank. ``model(part=(rank, dp))``: a picklable function returning the staged
+    model on that rank's part of the batch (``functools.partial(profiles.spec.built_model, spec, batch=N)``, which
+    cuts the inputs before it finds the stages: planner/execute/data_parallel.py's :func:`batch_part`).
+
+    ``plan``: solved for one rank's step (planner/sharding.py's chain); ``predicted``: its peak for that step.
+    ``meter(device)``: the memory meter (``profiles.memory.memory_meter``). ``chain``: when given, what it was
+    measured on must be the model's stages and one rank's slice of its inputs. ``threads``: torch threads per rank
+    (default: the machine's cores shared by the ranks)."""
+    check_sharding(zero, dp)
+    check_progress_timeout(progress_timeout)
+    if plan.kind != "chain" or plan.update != "after" or plan.moves_data:
+        raise MemschedError("a sharded run trains by a chain plan without transfers, updating after the backward")
+    built = model(part=(0, dp))  # a bad batch or loss is refused here, before any process starts
+    measured, source = record_of(chain, plan)
+    if measured is not None:
+        measured.check_stages(stage_specs(named_stages(built.stages)), source)
+        measured.check_inputs(input_specs(built.example_inputs), source,
+                              f"the chain is profiled on one rank's slice of the batch: {dp} ranks need a batch "
+                              f"{dp} times the profiled one")
+    del built
+    job = functools.partial(_rank_job, model=model, plan=plan, zero=zero, steps=steps, meter=meter, lr=lr,
+                            predicted=predicted, return_grads=return_grads, seed=seed)
+    threads = max(1, (os.cpu_count() or 1) // dp) if threads is None else threads
+    return launch_ranks(job, dp, device, progress_timeout, label="data-parallel", threads=threads)
+
+
+def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr, predicted, return_grads, seed):
+    report.doing("building and sharding its stages", True, milestone=True)
+    # ShardedStepRun all-gathers each stage before its backward itself: FSDP2's pre-backward hook, which a view
+    # returned by a stage can lose (FSDP2 warns), is not relied on.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    torch.manual_seed(seed)
+    built = model(part=(rank, world))
+    pairs = [(name, module.to(where)) for name, module in named_stages(built.stages)]
+    inputs = tuple(t.to(where) if isinstance(t, torch.Tensor) else t for t in built.example_inputs)
+    input_bytes = _storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
+    shard_stages(pairs, zero, world)
+    planned = apply_schedule(pairs, plan.schedule, zero=zero)
+    shared = shared_parameters_of(pairs)
+    named = list(_named_parameters(pairs).values())
+    parameters = [p for _, p in named]
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    for p in parameters:  # the state exists before the first window, as in steady state: a zero step makes it,
+        p.grad = torch.zeros_like(p)  # moving nothing, and its count is reset (the first step is then the first)
+    optimizer.step()
+    for state in optimizer.state.values():
+        state["step"].zero_()
+    resident = _storage_bytes([_local(t) for t in parameters + state_tensors([optimizer])])
+    report.doing("ready, waiting for its peers", False, milestone=True)
+    losses, peaks, seconds, grads = [], [], [], None
+    for step in range(1, steps + 1):
+        report.step = step
+        for p in parameters:
+            p.grad = None
+        report.doing(f"step {step}: forward and backward", True)
+        with meter(where) as window:
+            start = window.current
+            started = time.perf_counter()
+            loss = built.loss_fn(planned(*inputs))
+            loss.backward()
+            sum_shared_gradients(shared)
+            if where.type == "cuda":
+                torch.cuda.synchronize(where)
+            seconds.append(time.perf_counter() - started)
+            peaks.append(window.peak - start + input_bytes)
+        value = loss.detach().reshape(1).clone()
+        del loss
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.AVG)
+        losses.append(float(value))
+        if grads is None and return_grads:
+            grads = {name: _whole(p.grad) for name, p in named}
+        optimizer.step()
+        report.send("step", step)
+    return DataParallelResult(rank=rank, losses=losses, peaks=peaks, seconds=seconds, predicted=predicted,
+                              resident=resident, grads=grads)
+
+
+def _named_parameters(pairs) -> dict:
+    """``{id: (stage.name, parameter)}`` of the parameters needing gradients, each named at its first stage."""
+    named = {}
+    for stage, module in pairs:
+        for name, parameter in module.named_parameters() if isinstance(module, torch.nn.Module) else ():
+            if parameter.requires_grad:
+                named.setdefault(id(parameter), (f"{stage}.{name}", parameter))
+    return named
+
+
+def _local(tensor):
+    """A rank's own part of a sharded tensor (a DTensor's local shard), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _whole(grad):
+    """A gradient whole on the CPU (a sharded one gathered from every rank: a collective)."""
+    if grad is None:
+        return None
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().cpu().clone()
+
+
+def summary_lines(results) -> list:
+    """Per rank: the last step's measured peak against the prediction, the first step's, seconds, loss."""
+    lines = [f"{'rank':>4}  {'measured':>12}  {'predicted':>12}  {'ratio':>6}  {'first step':>12}  {'resident':>10}  "
+             f"{'seconds':>8}  loss"]
+    for r in results:
+        lines.append(f"{r.rank:>4}  {r.measured:>12,}  {r.predicted:>12,}  {r.measured / r.predicted:>6.3f}  "
+                     f"{r.peaks[0]:>12,}  {r.resident:>10,}  {r.seconds[-1]:>8.4f}  {r.losses[-1]:.6f}")
+    lines.append("measured: the rank's input and what its step allocated at its peak (whole parameters all-gathered, "
+                 "sharded gradients), in the last step; predicted: the plan's peak for one rank's step; first step: "
+                 "also what FSDP2 allocates once; resident: the rank's parameters and Adam state, measured")
+    return lines

@@ -1,0 +1,184 @@
+"""The chain executor on FSDP2: each stage a ``fully_shard`` unit, a chain plan run on every rank's batch.
+
+:func:`shard_stages` shards each stage module over the data-parallel ranks with PyTorch's own ``fully_shard``,
+each stage its own root (its collectives run at its own operations, none prefetched), parameters shared by
+stages left whole (``ignored_params``; :func:`sum_shared_gradients` sums their gradients across ranks).
+:func:`shard_units` gives the bytes planner/sharding.py models. :class:`ShardedStepRun` runs a chain schedule on
+the sharded stages: ZeRO 3 all-gathers a stage at each of its operations and frees it after
+(``reshard_after_forward=True``); ZeRO 2 all-gathers every stage when the step starts and frees them when it
+ends. A stage's backward lets autograd accumulate its parameters' gradients so that FSDP2's post-backward finds
+them and reduce-scatters them into the sharded parameters' ``.grad``.
+"""
+
+import weakref
+
+import torch
+
+from planner.execute.autograd import differentiate
+from planner.execute.records import find_shared
+from planner.execute.steprun import StepRun
+from planner.sharding import ShardUnit, check_sharding
+
+
+def shared_parameters_of(pairs) -> list:
+    """The parameters (needing gradients) that several of the stages ``[(name, module), ...]`` read."""
+    return [parameter for _, parameter in find_shared(pairs)]
+
+
+def shard_units(pairs, dp: int) -> list:
+    """A :class:`planner.sharding.ShardUnit` per stage ``(name, module)``: the bytes of its parameters as
+    :func:`shard_stages` shards them over ``dp`` ranks (each cut along dimension 0, padded to a multiple of
+    ``dp``; shared parameters are not sharded)."""
+    shared = {id(p) for p in shared_parameters_of(pairs)}
+    units = []
+    for _, module in pairs:
+        gathered = shard = gradients = 0
+        if isinstance(module, torch.nn.Module):
+            for parameter in module.parameters():
+                if id(parameter) in shared:
+                    continue
+                rows = parameter.shape[0] if parameter.dim() else 1
+                row_bytes = parameter.numel() // max(rows, 1) * parameter.element_size()
+                per_rank = -(-rows // dp)
+                gathered += per_rank * dp * row_bytes
+                shard += per_rank * row_bytes
+                gradients += parameter.numel() * parameter.element_size() if parameter.requires_grad else 0
+        units.append(ShardUnit(gathered, shard, gradients))
+    return units
+
+
+# NOTE [collective buffers]
+# gloo runs a collective on a worker thread, which drops its reference to the collective's tensors a moment
+# after it has woken the caller: a buffer FSDP2 has finished with (the all-gather output, once copied into the
+# parameters; the reduce-scatter input, once reduced) then lives on into the stage's computation or not, by
+# chance (measured: a whole stage's parameters, at random backwards). The run frees them itself instead, once
+# FSDP2 is done with them: their storages are resized to nothing (what gloo still holds is then empty).
+_BUFFERS = weakref.WeakKeyDictionary()  # sharded module -> its _CollectiveBuffers (CPU only)
+
+
+class _CollectiveBuffers:
+    """FSDP2 comms for one stage (``set_custom_all_gather`` / ``set_custom_reduce_scatter``: PyTorch's collectives,
+    as FSDP2's defaults call them) that keep the all-gather outputs and reduce-scatter inputs since last freed."""
+
+    def __init__(self):
+        self.gathered, self.reduced = [], []
+        self.gather, self.reduce = _Gather(self.gathered), _ReduceScatter(self.reduced)
+
+    @staticmethod
+    def free(buffers) -> None:
+        while buffers:
+            buffers.pop().untyped_storage().resize_(0)
+
+
+class _Gather:
+    """FSDP2's all-gather comm: ``allocate`` its output, then all-gather into it."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def allocate(self, size, *, dtype, device):
+        output = torch.empty(size, dtype=dtype, device=device)
+        self.outputs.append(output)
+        return output
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _ReduceScatter:
+    """FSDP2's reduce-scatter comm: ``allocate`` its buffers, then reduce-scatter an input into an output."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.inputs.append(input_tensor)
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                                       async_op=async_op)
+
+
+def shard_stages(pairs, zero: int, dp: int, mesh=None) -> None:
+    """``fully_shard`` each stage ``(name, module)`` with parameters (in place) for ZeRO ``zero`` over ``mesh``
+    (default: the world of ``dp`` ranks); shared parameters stay whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    check_sharding(zero, dp)
+    shared = set(shared_parameters_of(pairs))
+    for _, module in pairs:
+        if isinstance(module, torch.nn.Module) and any(p not in shared for p in module.parameters()):
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3,
+                        ignored_params={p for p in module.parameters() if p in shared})
+            if zero == 2:  # whole for the step: resharded by ShardedStepRun.finish
+                module.set_reshard_after_backward(False)
+            if next(module.parameters()).device.type == "cpu":  # NOTE [collective buffers]
+                buffers = _BUFFERS[module] = _CollectiveBuffers()
+                module.set_custom_all_gather(buffers.gather)
+                module.set_custom_reduce_scatter(buffers.reduce)
+
+
+def sum_shared_gradients(parameters) -> None:
+    """Average the gradients of the whole (unsharded) ``parameters`` across the ranks, as FSDP2 averages the
+    sharded ones: every rank then holds the whole batch's gradient."""
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        torch.distributed.all_reduce(parameter.grad, op=torch.distributed.ReduceOp.AVG)
+
+
+class ShardedStepRun(StepRun):
+    """One step on stages sharded by :func:`shard_stages` for ZeRO ``planned.zero``."""
+
+    def __init__(self, planned, first, extra):
+        super().__init__(planned, first, extra)
+        self.sharded = [m for m in planned.modules_in_order if hasattr(m, "unshard")]
+        if planned.zero == 2:
+            for module in self.sharded:
+                self._unshard(module)
+
+    def _forward(self, op, position) -> None:
+        super()._forward(op, position)
+        module = self.planned.modules_in_order[op.stage]
+        if module in _BUFFERS:
+            _CollectiveBuffers.free(_BUFFERS[module].gathered)
+        if self.planned.zero == 3 and hasattr(module, "reshard"):
+            module.reshard()  # FSDP2 keeps a forward run inside a backward unsharded: ZeRO 3 frees it here
+
+    def before_backward(self, i) -> None:
+        module = self.planned.modules_in_order[i]
+        if hasattr(module, "unshard"):
+            self._unshard(module)  # its parameters are the whole ones until its post-backward
+
+    def after_backward(self, i) -> None:
+        module = self.planned.modules_in_order[i]
+        if module in _BUFFERS:
+            _CollectiveBuffers.free(_BUFFERS[module].reduced)
+
+    @staticmethod
+    def _unshard(module) -> None:
+        module.unshard()
+        if module in _BUFFERS:
+            _CollectiveBuffers.free(_BUFFERS[module].gathered)
+
+    def gradient_inputs(self, graph, parameters) -> list:
+        """The parameters as they are now: the whole ones (plain tensors) of the unsharded stages."""
+        return [p for k in graph.stages for p in self.planned.modules_in_order[k].parameters() if p.requires_grad]
+
+    def differentiate_stage(self, pairs, targets, inputs, parameters) -> list:
+        if pairs and inputs:
+            differentiate(pairs, inputs, accumulate=True)
+        grads = []
+        for target in targets:
+            grads.append(target.grad)
+            target.grad = None
+        return grads
+
+    def finish(self) -> None:
+        if self.planned.zero == 2:
+            for module in self.sharded:
+                module.reshard()
+
+    def abandon(self) -> None:
+        self.finish()
