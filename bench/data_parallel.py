@@ -8,9 +8,11 @@ For each model (default: ``gpt2``, the Hugging Face GPT-2 of examples/gpt2_facto
 * ``one device``: the whole batch on one device with Adam, updating after the backward (today's floor) or in
   it (planner/updates.py): resident parameters and state plus the least step budget (hierarchical solver);
 * ``ZeRO 2``, ``ZeRO 3``: each of 2 ranks with half the batch on ``fully_shard`` (planner/sharding.py): its
-  resident shards and state, ZeRO 2's whole parameters, plus the least budget of its sharded step; then trained
-  at that floor on 2 processes (gloo), with the measured peak of each rank over the prediction, and the
-  seconds of a rank's step against one device's planned step at its own floor (same whole batch, one process).
+  resident shards and state, ZeRO 2's whole parameters, plus its sharded step storing every activation (plain
+  FSDP2 with each stage a unit, what a user runs without memsched) or within its least budget (memsched's
+  floor); each trained there on 2 processes (gloo), with the measured peak of each rank over the prediction,
+  and the seconds of a rank's step against one device's planned step at its own floor (the same whole batch in
+  one process) and against the store-all step's.
 """
 
 import argparse
@@ -62,19 +64,22 @@ def rows(name: str, steps: int) -> list:
     resident = rank_resident(units, sum(entry.bytes for entry, _ in find_shared(pairs)))
     for zero in (2, 3):
         sharded = sharded_chain(rank_chain, zero, units)
-        least = minimum_budget(sharded)
         constant = step_constant(zero, units)
-        plan = solvers.solve(sharded, least, "rotor")
-        predicted = plan.predicted.peak_bytes + constant
-        results = run_data_parallel(functools.partial(built_model, spec, batch=BATCH), plan, zero, 2, steps,
-                                    meter=memory_meter, predicted=predicted, chain=sharded)
-        floor = resident + least + constant
-        worst = max(abs(r.measured / predicted - 1) for r in results)
-        seconds = statistics.median(s for r in results for s in r.seconds[1:] or r.seconds)
-        lines.append(f"  2 ranks      ZeRO {zero}       floor {floor / MIB:8.2f} MiB per rank "
-                     f"({1 - floor / today.total:6.1%} lower; resident {resident / MIB:6.2f} + step "
-                     f"{(least + constant) / MIB:6.2f}), measured/predicted peak within {worst:.4%}, "
-                     f"step {seconds:.4f} s ({seconds / single:.2f}x one device's)")
+        plain = None
+        for what, budget in (("store-all", solvers.store_all_peak(sharded)), ("least", minimum_budget(sharded))):
+            plan = solvers.solve(sharded, budget, "rotor")
+            predicted = plan.predicted.peak_bytes + constant
+            results = run_data_parallel(functools.partial(built_model, spec, batch=BATCH), plan, zero, 2, steps,
+                                        meter=memory_meter, predicted=predicted, chain=sharded)
+            floor = resident + budget + constant
+            worst = max(abs(r.measured / predicted - 1) for r in results)
+            seconds = statistics.median(s for r in results for s in r.seconds[1:] or r.seconds)
+            plain = plain or seconds
+            lines.append(f"  2 ranks      ZeRO {zero} {what:<9} {floor / MIB:8.2f} MiB per rank "
+                         f"({1 - floor / today.total:6.1%} lower; resident {resident / MIB:6.2f} + step "
+                         f"{(budget + constant) / MIB:6.2f}), measured/predicted peak within {worst:.4%}, "
+                         f"step {seconds:.4f} s ({seconds / single:.2f}x one device's, {seconds / plain:.2f}x "
+                         "store-all's)")
     return lines
 
 

@@ -2,8 +2,8 @@
 
 The model of a rank's step is checked by hand on a small chain and against live modules' shards; then 2 gloo
 processes train a ResNet-like (BatchNorm) and a tiny Hugging Face GPT-2 (tied embeddings, kept whole) for ZeRO 2
-and 3 by a plan that recomputes: each rank's measured peak is within 2% of the prediction (at the machine's
-default thread count and at one), the losses of 3 Adam steps and the first step's gradients equal
+and 3 by a plan that recomputes: each rank's measured peak is within 0.5% of the prediction (measured: 8 bytes;
+at the machine's default thread count and at one), the losses of 3 Adam steps and the first step's gradients equal
 single-process training (the whole batch in one step; for BatchNorm, which normalises over each rank's part as
 data parallelism without SyncBatchNorm does, each part's step in one process, gradients averaged).
 
@@ -136,8 +136,8 @@ def test_ranks_train_as_one_process_within_the_predicted_peak(spec, zero, thread
         results = run_data_parallel(functools.partial(built_model, spec), plan, zero, 2, STEPS, meter=memory_meter,
                                     lr=LR, predicted=predicted, chain=sharded, return_grads=True,
                                     progress_timeout=120, threads=threads)
-    for r in results:
-        assert abs(r.measured / predicted - 1) < 0.02, (r.rank, r.measured, predicted)
+    for r in results:  # the issue asks for 2%; measured here: within 8 bytes
+        assert abs(r.measured / predicted - 1) < 0.005, (r.rank, r.measured, predicted)
     losses, grads = _reference(spec, per_part=spec == RESNET)
     for r in results:
         assert r.losses == pytest.approx(losses, rel=1e-5)
@@ -169,3 +169,20 @@ def test_cli_refuses_what_a_sharded_run_cannot_do(extra, message, capsys):
     assert cli.main(["train", RESNET, "--budget", "50%", *extra]) == 2
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1
+
+
+def _fails_on_rank_1(part):
+    if part[0] == 1:
+        raise RuntimeError("broken on purpose")
+    return built_model(RESNET, part=part)
+
+
+def test_a_failing_rank_is_one_line_naming_it():
+    model = _fails_on_rank_1((0, 2))
+    chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1)
+    sharded = sharded_chain(chain, 3, shard_units(named_stages(model.stages), 2))
+    plan = solvers.solve(sharded, solvers.store_all_peak(sharded), "store_all")
+    with pytest.raises(MemschedError) as caught:
+        run_data_parallel(_fails_on_rank_1, plan, 3, 2, 1, meter=memory_meter, predicted=1, progress_timeout=60)
+    message = str(caught.value)
+    assert message.startswith("data-parallel rank 1 failed: RuntimeError: broken on purpose") and "\n" not in message

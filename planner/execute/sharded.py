@@ -82,7 +82,7 @@ class _Gather:
         return output
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return torch.distributed.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _ReduceScatter:
@@ -96,7 +96,7 @@ class _ReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.inputs.append(input_tensor)
-        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+        return torch.distributed.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
                                                        async_op=async_op)
 
 
