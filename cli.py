@@ -129,9 +129,9 @@ def _add_setup_arguments(parser, training: bool = False) -> None:
                                  "(default: fp32)")
     parser.add_argument("--zero", type=int, metavar="STAGE",
                         help="ZeRO stage 0-3 over the --dp ranks: 1 shards optimizer state and master copy, "
-                             "2 also gradients, 3 also parameters (default: 0; train --dp: 2 or 3, default 3)")
-    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (default: 1; train: on FSDP2's "
-                                                            "fully_shard, a process and a part of the batch each)")
+                             "2 also gradients, 3 also parameters (default: 0; train --dp: 1-3, default 3)")
+    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (default: 1; train: a process and "
+                                                            "a part of the batch each, ZeRO 2-3 on FSDP2)")
 
 
 _SETUP_FLAGS = ("--device-memory", "--optimizer", "--precision", "--zero", "--dp")  # the last four: TrainingSetup's
@@ -425,7 +425,7 @@ def _train_sharded(args) -> None:
     unused = _given(args, "--plan", "--chain", "--offload-weights", "--max-grad-norm") + [flag for flag, given in (
         ("--graph", args.graph), ("--compile", args.compile), ("--update", args.update != "after")) if given]
     if unused or args.dp is None or not args.budget:
-        raise MemschedError("train --dp N [--zero 2|3] --budget B profiles and solves one rank's sharded step itself, "
+        raise MemschedError("train --dp N [--zero 1|2|3] --budget B profiles and solves one rank's step itself, "
                             "eagerly, updating after the backward: " + (f"drop {unused[0]}" if unused else
                                                                          "give --dp and --budget"))
     print("\n".join(train_data_parallel(

@@ -7,12 +7,12 @@ For each model (default: ``gpt2``, the Hugging Face GPT-2 of examples/gpt2_facto
 
 * ``one device``: the whole batch on one device with Adam, updating after the backward (today's floor) or in
   it (planner/updates.py): resident parameters and state plus the least step budget (hierarchical solver);
-* ``ZeRO 2``, ``ZeRO 3``: each of 2 ranks with half the batch on ``fully_shard`` (planner/sharding.py): its
-  resident shards and state, ZeRO 2's whole parameters, plus its sharded step storing every activation (plain
-  FSDP2 with each stage a unit, what a user runs without memsched) or within its least budget (memsched's
-  floor); each trained there on 2 processes (gloo), with the measured peak of each rank over the prediction,
-  and the seconds of a rank's step against one device's planned step at its own floor (the same whole batch in
-  one process) and against the store-all step's.
+* ``ZeRO 1``, ``ZeRO 2``, ``ZeRO 3``: each of 2 ranks with half the batch, on ``ZeroRedundancyOptimizer`` (1) or
+  ``fully_shard`` (planner/sharding.py): the largest rank's resident parameters and state, ZeRO 2's whole
+  parameters, plus its step storing every activation (plain ZeRO / FSDP2 with each stage a unit, what a user runs
+  without memsched) or within its least budget (memsched's floor); each trained there on 2 processes (gloo),
+  with the measured peak of each rank over the prediction, and the seconds of a rank's step against one device's
+  planned step at its own floor (the same whole batch in one process) and against the store-all step's.
 """
 
 import argparse
@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import solvers  # noqa: E402
-from planner.execute.data_parallel import run_data_parallel  # noqa: E402
+from planner.execute.data_parallel import named_parameters, run_data_parallel  # noqa: E402
 from planner.execute.records import find_shared  # noqa: E402
 from planner.execute.sharded import shard_units  # noqa: E402
 from planner.execute.stages import named_stages  # noqa: E402
-from planner.sharding import rank_resident, sharded_chain, step_constant  # noqa: E402
+from planner.sharding import rank_residents, sharded_chain, step_constant  # noqa: E402
 from planner.training_setup import TrainingSetup  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter  # noqa: E402
@@ -61,8 +61,9 @@ def rows(name: str, steps: int) -> list:
     pairs = named_stages(part.stages)
     rank_chain = profile_chain(part.stages, part.example_inputs, loss_fn=part.loss_fn, name=name, options=0)
     units = shard_units(pairs, 2)
-    resident = rank_resident(units, sum(entry.bytes for entry, _ in find_shared(pairs)))
-    for zero in (2, 3):
+    sizes = [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()]
+    for zero in (1, 2, 3):
+        resident = max(rank_residents(zero, 2, units, sum(entry.bytes for entry, _ in find_shared(pairs)), sizes))
         sharded = sharded_chain(rank_chain, zero, units)
         constant = step_constant(zero, units)
         plain = None

@@ -1,9 +1,17 @@
-"""A chain's step on one rank of FSDP2 data parallelism, each stage a ``fully_shard`` unit (no torch).
+"""A chain's step on one rank of data parallelism with ZeRO 1, 2 or 3 on PyTorch's engines (no torch).
 
-Over ``dp`` ranks each stage's parameters are cut along their first dimension, padded to a multiple of ``dp``
-(:class:`ShardUnit` gives the bytes). A rank keeps its shards (``shard`` bytes per stage), the optimizer state
-of them, and the sharded gradients its backward reduce-scatters. What the step adds, as FSDP2 allocates it
-(planner/execute/sharded.py runs it; measured on CPU with gloo, docs/model.md "Sharded data parallelism"):
+Over ``dp`` ranks, each with its part of the batch (planner/execute/data_parallel.py runs them; measured on CPU
+with gloo, docs/model.md "Sharded data parallelism"):
+
+- **ZeRO 1** (``torch.distributed.optim.ZeroRedundancyOptimizer``): every rank keeps the whole parameters and
+  makes the whole gradients, averaged across ranks in place after the backward; the optimizer state is split by
+  whole parameters, the largest first to the least-loaded rank (:func:`zero1_partition`, ZeroRedundancyOptimizer's
+  own rule), so ranks may hold different amounts. The step is the chain's own.
+
+With ZeRO 2 and 3 each stage is a ``fully_shard`` unit (FSDP2): its parameters are cut along their first
+dimension, padded to a multiple of ``dp`` (:class:`ShardUnit` gives the bytes); a rank keeps its shards
+(``shard`` bytes per stage), the optimizer state of them, and the sharded gradients its backward
+reduce-scatters. What the step adds, as FSDP2 allocates it (planner/execute/sharded.py):
 
 - **ZeRO 3** all-gathers a stage's parameters at each of its operations, into a buffer of the padded whole
   parameters that lives through a forward beside the parameters themselves: a forward's temporaries grow by
@@ -17,19 +25,19 @@ of them, and the sharded gradients its backward reduce-scatters. What the step a
   in ZeRO 3.
 
 Parameters shared by stages (tied embeddings) are not sharded: every rank keeps them whole, their gradients
-are summed across ranks after the backward, and the chain counts them as on one device. :func:`sharded_chain`
-gives the chain the solvers and the simulator see on one rank; :func:`rank_resident` what exists before its
-step. A stage's options (profiles/options.py) are dropped: their recomputation inside the backward would
-all-gather again, which the model above does not count.
+are averaged across ranks after the backward, and the chain counts them as on one device. :func:`sharded_chain`
+gives the chain the solvers and the simulator see on one rank; :func:`rank_residents` what exists before each
+rank's step. A stage's options (profiles/options.py) are dropped: their recomputation inside the backward would
+all-gather again, which the model above does not count (and ZeRO 1 runs the same schedules).
 """
 
 import dataclasses
 from dataclasses import dataclass
 
 from planner.errors import MemschedError
-from planner.training_setup import TrainingSetup
 
-SHARDED_ZERO = (2, 3)  # fully_shard always reduce-scatters gradients: ZeRO 2 or 3, never 1
+ZERO_STAGES = (1, 2, 3)  # 1: ZeroRedundancyOptimizer; 2, 3: FSDP2's fully_shard
+ADAM_STATE_PER_BYTE = 2  # Adam's two fp32 moments: 8 bytes per 4-byte fp32 parameter
 
 
 @dataclass(frozen=True)
@@ -44,23 +52,23 @@ class ShardUnit:
 
 
 def check_sharding(zero, dp) -> None:
-    """Refuse, in one line, a ZeRO stage fully_shard does not run or fewer than 2 ranks."""
-    if zero not in SHARDED_ZERO:
-        raise MemschedError(f"--zero {zero}: FSDP2's fully_shard always shards the gradients (ZeRO 2) and may shard "
-                            "the parameters (ZeRO 3); use --zero 2, which keeps the parameters whole as ZeRO 1 does, "
-                            "or --zero 3")
+    """Refuse, in one line, a ZeRO stage that is not 1, 2 or 3, or fewer than 2 ranks."""
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise MemschedError(f"--zero {zero}: data parallelism runs ZeRO 1 (optimizer state split), 2 (and the "
+                            "gradients) or 3 (and the parameters)")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 2:
-        raise MemschedError(f"--dp: sharded data parallelism needs at least 2 ranks, got {dp!r}")
+        raise MemschedError(f"--dp: data parallelism needs at least 2 ranks, got {dp!r}")
 
 
 def sharded_chain(chain, zero: int, units):
-    """``chain`` as one rank's step allocates it under ZeRO ``zero`` (2 or 3), ``units[i]`` the
-    :class:`ShardUnit` of stage ``i``; without options (see the module docstring). Add :func:`step_constant` to
-    its peak for ZeRO 2."""
-    if zero not in SHARDED_ZERO:
-        check_sharding(zero, 2)
+    """``chain`` as one rank's step allocates it under ZeRO ``zero``, ``units[i]`` the :class:`ShardUnit` of stage
+    ``i``; without options (see the module docstring). Add :func:`step_constant` to its peak for ZeRO 2."""
+    check_sharding(zero, 2)
     if len(units) != chain.length:
         raise MemschedError(f"sharding: {len(units)} units for a chain of {chain.length} stages")
+    if zero == 1:
+        return dataclasses.replace(chain, stages=tuple(dataclasses.replace(stage, options=(), held_bwd_tmp_bytes=None)
+                                                       for stage in chain.stages))
     stages = []
     for i, (stage, unit) in enumerate(zip(chain.stages, units)):
         gathered = unit.gathered if zero == 3 else 0  # what an operation of the stage all-gathers
@@ -81,9 +89,27 @@ def step_constant(zero: int, units) -> int:
     return sum(unit.gathered for unit in units) if zero == 2 else 0
 
 
-def rank_resident(units, replicated: int, optimizer: str = "adam") -> int:
-    """At most what a rank keeps between steps: its shards and the ``replicated`` bytes of parameters kept whole
-    (fp32), and ``optimizer``'s state of both (a shard's state counted at its padded size)."""
-    setup = TrainingSetup(optimizer=optimizer)
-    parameters = -(-(sum(unit.shard for unit in units) + replicated) // 4)
-    return setup.resident_bytes(parameters)
+def zero1_partition(sizes, dp: int) -> list:
+    """The rank whose optimizer state holds each parameter of ``sizes`` (bytes, in the optimizer's order) under
+    ZeRO 1: the largest first (ties in order), each to the rank holding least so far (the lowest such rank), as
+    ``ZeroRedundancyOptimizer`` partitions them."""
+    loads, owners = [0] * dp, [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        owners[k] = loads.index(min(loads))
+        loads[owners[k]] += sizes[k]
+    return owners
+
+
+def rank_residents(zero: int, dp: int, units, replicated: int, sizes) -> list:
+    """Per rank, what it keeps between steps (fp32 parameters, Adam state): ZeRO 1, the whole parameters
+    (``sizes``: each trainable parameter's bytes) and the state of its part (:func:`zero1_partition`); ZeRO 2
+    and 3, its padded shards and the ``replicated`` bytes of parameters kept whole, with their state (a shard's
+    state counted at its padded size: at most a row per parameter more). Adam's step counters (4 bytes per
+    parameter tensor) are left out."""
+    if zero == 1:
+        loads = [0] * dp
+        for size, owner in zip(sizes, zero1_partition(sizes, dp)):
+            loads[owner] += size
+        return [sum(sizes) + ADAM_STATE_PER_BYTE * load for load in loads]
+    kept = sum(unit.shard for unit in units) + replicated
+    return [kept * (1 + ADAM_STATE_PER_BYTE)] * dp

@@ -1,9 +1,9 @@
-"""``memsched train SPEC --dp N --zero 2|3``: profile one rank's part of the batch, plan its sharded step, train it.
+"""``memsched train SPEC --dp N --zero 1|2|3``: profile one rank's part of the batch, plan its step, train it.
 
 :func:`train_data_parallel` profiles the model on rank 0's part of the batch (the ranks' parts have the same
-shapes), turns the chain into one rank's sharded step (planner/sharding.py), takes the budget (``auto``: what a
-device of ``device_memory`` bytes leaves once the rank's shards, parameters kept whole, Adam state and, for ZeRO
-2, the whole parameters of the step are counted), solves, and trains on ``dp`` processes
+shapes), turns the chain into one rank's step (planner/sharding.py), takes the budget (``auto``: what a device of
+``device_memory`` bytes leaves once the largest rank's resident parameters and Adam state and, for ZeRO 2, the
+whole parameters of the step are counted), solves, and trains on ``dp`` processes
 (planner/execute/data_parallel.py), each measured against the prediction.
 """
 
@@ -11,11 +11,11 @@ import functools
 
 import solvers
 from planner.errors import MemschedError
-from planner.execute.data_parallel import run_data_parallel, summary_lines
+from planner.execute.data_parallel import named_parameters, run_data_parallel, summary_lines
 from planner.execute.records import find_shared
 from planner.execute.sharded import shard_units
 from planner.execute.stages import named_stages
-from planner.sharding import check_sharding, rank_resident, sharded_chain, step_constant
+from planner.sharding import check_sharding, rank_residents, sharded_chain, step_constant
 from planner.units import describe_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
@@ -40,7 +40,9 @@ def train_data_parallel(spec: str, batch, dp: int, zero: int, budget: str, *, de
     units = shard_units(pairs, dp)
     sharded = sharded_chain(chain, zero, units)
     constant = step_constant(zero, units)
-    resident = rank_resident(units, sum(entry.bytes for entry, _ in find_shared(pairs)))
+    residents = rank_residents(zero, dp, units, sum(entry.bytes for entry, _ in find_shared(pairs)),
+                               [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()])
+    resident = max(residents)
     step_budget, how = _step_budget(budget, device_memory, sharded, resident, constant)
     if step_budget <= constant:
         raise MemschedError(f"budget: {describe_bytes(step_budget)} leaves nothing for the step beside ZeRO 2's whole "
@@ -50,9 +52,11 @@ def train_data_parallel(spec: str, batch, dp: int, zero: int, budget: str, *, de
     say(f"training on {dp} ranks...")
     results = run_data_parallel(model, plan, zero, dp, steps, meter=memory_meter, device=device, lr=lr,
                                 predicted=predicted, chain=sharded, progress_timeout=progress_timeout)
-    return [f"data parallel: {dp} ranks, ZeRO {zero} on FSDP2's fully_shard (each stage a unit), {steps} steps on "
-            f"{device}", f"budget per rank: {how}",
-            f"resident per rank: {describe_bytes(resident)} (shards, parameters kept whole, Adam state)",
+    engine = "ZeroRedundancyOptimizer" if zero == 1 else "FSDP2's fully_shard (each stage a unit)"
+    return [f"data parallel: {dp} ranks, ZeRO {zero} on {engine}, {steps} steps on {device}", f"budget per rank: {how}",
+            f"resident per rank: {', '.join(f'{r:,}' for r in residents)} bytes ("
+            + ("whole parameters, Adam state of each rank's part" if zero == 1 else
+               "shards, parameters kept whole, Adam state") + ")",
             f"plan: {plan.solver}, predicted peak of a rank's step {describe_bytes(predicted)}"
             + (f" (whole parameters {describe_bytes(constant)} included)" if constant else "")] + summary_lines(results)
 

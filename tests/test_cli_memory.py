@@ -161,4 +161,4 @@ def test_train_budget_auto(capsys, tmp_path):
     assert status == 2 and "unrecognized arguments: --optimizer sgd" in err  # train runs fp32 Adam
     status, out, err = run(capsys, "train", SMALL, "--chain", chain_path, "--budget", "auto", "--device-memory",
                            "1GiB", "--zero", "2")
-    assert status == 2 and "sharded step itself" in err and "drop --chain" in err  # --zero shards over --dp ranks
+    assert status == 2 and "one rank's step itself" in err and "drop --chain" in err  # --zero: over --dp ranks

@@ -1,8 +1,9 @@
-"""Sharded data parallelism on FSDP2 (planner/sharding.py, planner/execute/sharded.py and data_parallel.py).
+"""Data parallelism with ZeRO 1 (ZeroRedundancyOptimizer), 2 and 3 (FSDP2): planner/sharding.py,
+planner/execute/sharded.py and data_parallel.py.
 
 The model of a rank's step is checked by hand on a small chain and against live modules' shards; then 2 gloo
-processes train a ResNet-like (BatchNorm) and a tiny Hugging Face GPT-2 (tied embeddings, kept whole) for ZeRO 2
-and 3 by a plan that recomputes: each rank's measured peak is within 0.5% of the prediction (measured: 8 bytes;
+processes train a ResNet-like (BatchNorm) and a tiny Hugging Face GPT-2 (tied embeddings, kept whole) for ZeRO 1,
+2 and 3 by a plan that recomputes: each rank's measured peak is within 0.5% of the prediction (measured: 8 bytes;
 at the machine's default thread count and at one), the losses of 3 Adam steps and the first step's gradients equal
 single-process training (the whole batch in one step; for BatchNorm, which normalises over each rank's part as
 data parallelism without SyncBatchNorm does, each part's step in one process, gradients averaged).
@@ -23,7 +24,7 @@ from planner.chain import Chain, Loss, Stage
 from planner.execute.data_parallel import rank_slice, run_data_parallel
 from planner.execute.sharded import shard_units
 from planner.execute.stages import named_stages, run_stages, trainable_parameters
-from planner.sharding import ShardUnit, check_sharding, rank_resident, sharded_chain, step_constant
+from planner.sharding import ShardUnit, check_sharding, rank_residents, sharded_chain, step_constant, zero1_partition
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model
@@ -54,7 +55,15 @@ def test_sharded_chain_by_hand():
     assert [s.bwd_tmp_bytes for s in two.stages] == [max(50, 1000 + 1008 - 400), max(50, 600 + 600 - 400)]
     assert [s.param_bytes for s in two.stages] == [504, 300]
     assert (step_constant(2, units), step_constant(3, units)) == (1608, 0)
-    assert rank_resident(units, replicated=16) == (804 + 16) * 3  # fp32 parameters and Adam's two moments
+    assert rank_residents(3, 2, units, 16, [1000, 600]) == [(804 + 16) * 3] * 2  # fp32 and Adam's two moments
+    one = sharded_chain(chain, 1, units)  # ZeRO 1: the chain's own step
+    assert [s.bwd_tmp_bytes for s in one.stages] == [50, 50] and [s.param_bytes for s in one.stages] == [1000, 600]
+
+
+def test_zero1_splits_the_state_as_zero_redundancy_optimizer_does():
+    # the largest first, each to the rank holding least (the lowest on a tie), ties kept in order
+    assert zero1_partition([40, 100, 60, 40, 20], 2) == [1, 0, 1, 0, 1]
+    assert rank_residents(1, 2, [], 0, [40, 100, 60, 40, 20]) == [260 + 2 * 140, 260 + 2 * 120]
 
 
 def test_units_pad_rows_and_leave_shared_parameters_whole():
@@ -69,8 +78,9 @@ def test_units_pad_rows_and_leave_shared_parameters_whole():
 
 
 def test_refusals():
-    with pytest.raises(MemschedError, match="--zero 1: FSDP2's fully_shard always shards the gradients"):
-        check_sharding(1, 2)
+    for zero in (0, 4, True):
+        with pytest.raises(MemschedError, match="data parallelism runs ZeRO 1"):
+            check_sharding(zero, 2)
     with pytest.raises(MemschedError, match="at least 2 ranks"):
         check_sharding(3, 1)
     model = built_model(RESNET)
@@ -128,7 +138,7 @@ def _reference(spec, per_part: bool):
     return losses, grads
 
 
-@pytest.mark.parametrize("spec, zero", [(RESNET, 3), (RESNET, 2), (GPT2, 3), (GPT2, 2)])
+@pytest.mark.parametrize("spec, zero", [(RESNET, 3), (RESNET, 2), (RESNET, 1), (GPT2, 3), (GPT2, 2), (GPT2, 1)])
 def test_ranks_train_as_one_process_within_the_predicted_peak(spec, zero, threads):
     sharded, plan, predicted = _planned(spec, zero, threads)
     with warnings.catch_warnings():
@@ -159,7 +169,7 @@ def test_cli_trains_on_two_ranks_within_what_a_device_leaves(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--dp", "2", "--zero", "1"], "--zero 1: FSDP2's fully_shard always shards the gradients"),
+    (["--dp", "2", "--zero", "4"], "--zero 4: data parallelism runs ZeRO 1"),
     (["--zero", "3"], "give --dp and --budget"),
     (["--dp", "2", "--compile"], "drop --compile"),
     (["--dp", "2", "--update", "in-backward"], "drop --update"),

@@ -1,10 +1,12 @@
-"""Sharded data parallelism: one process per rank, each training the same chain plan on its slice of the batch.
+"""Data parallelism with ZeRO: one process per rank, each training the same chain plan on its part of the batch.
 
 :func:`run_data_parallel` launches ``dp`` ranks (planner/execute/pipeline.py's launcher: spawn, gloo on CPU,
-NCCL on CUDA). Each builds the model, takes its slice of the batch (:func:`rank_slice`), shards the stages with
-FSDP2 (planner/execute/sharded.py), runs the plan's schedule, sums the gradients of shared parameters, steps Adam
-on its shards, and measures each step's peak in a window opened with the gradients ``None`` and the optimizer
-state made. Each returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data parallelism").
+NCCL on CUDA). Each builds the model on its part of the batch (:func:`rank_slice`, :func:`batch_part`) and runs
+the plan's schedule: for ZeRO 2 and 3 on stages sharded with FSDP2 (planner/execute/sharded.py), the gradients of
+parameters kept whole averaged after the backward, Adam stepping on its shards; for ZeRO 1 on the whole stages,
+every gradient averaged, PyTorch's ``ZeroRedundancyOptimizer`` (Adam) stepping its part of the state. Each
+measures its steps' peaks in a window opened with the gradients ``None`` and the optimizer state made, and
+returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data parallelism").
 """
 
 import dataclasses
@@ -22,7 +24,7 @@ from planner.errors import MemschedError
 from planner.execute.chain import apply_schedule
 from planner.execute.pipeline import check_progress_timeout, launch_ranks
 from planner.execute.records import input_specs, stage_specs
-from planner.execute.sharded import shard_stages, shared_parameters_of, sum_shared_gradients
+from planner.execute.sharded import average_gradients, shard_stages, shared_parameters_of
 from planner.execute.stages import named_stages
 from planner.execute.updates import state_tensors
 from planner.measured_on import record_of
@@ -113,7 +115,7 @@ def _contents(cell):
 def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter, device: str = "cpu",
                       lr: float = 1e-3, predicted: int, chain=None, return_grads: bool = False, seed: int = 0,
                       progress_timeout: float = 300.0, threads: int = None) -> list:
-    """Train ``steps`` steps of ``model`` by the chain ``plan`` on ``dp`` ranks sharded for ZeRO ``zero``; a
+    """Train ``steps`` steps of ``model`` by the chain ``plan`` on ``dp`` ranks with ZeRO ``zero``; a
     :class:`DataParallelResult` per rank. ``model(part=(rank, dp))``: a picklable function returning the staged
     model on that rank's part of the batch (``functools.partial(profiles.spec.built_model, spec, batch=N)``, which
     cuts the inputs before it finds the stages: planner/execute/data_parallel.py's :func:`batch_part`).
@@ -150,18 +152,25 @@ def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr
     pairs = [(name, module.to(where)) for name, module in named_stages(built.stages)]
     inputs = tuple(t.to(where) if isinstance(t, torch.Tensor) else t for t in built.example_inputs)
     input_bytes = _storage_bytes([t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
-    shard_stages(pairs, zero, world)
-    planned = apply_schedule(pairs, plan.schedule, zero=zero)
-    shared = shared_parameters_of(pairs)
-    named = list(_named_parameters(pairs).values())
+    if zero > 1:
+        shard_stages(pairs, zero, world)
+    planned = apply_schedule(pairs, plan.schedule, zero=zero if zero > 1 else None)
+    named = list(named_parameters(pairs).values())
     parameters = [p for _, p in named]
-    optimizer = torch.optim.Adam(parameters, lr=lr)
+    averaged = parameters if zero == 1 else shared_parameters_of(pairs)  # the gradients FSDP2 does not reduce
+    if zero == 1:  # each rank steps the state of its part of the parameters and broadcasts them
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.Adam, lr=lr)
+    else:
+        optimizer = torch.optim.Adam(parameters, lr=lr)
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's optimizer of its part
     for p in parameters:  # the state exists before the first window, as in steady state: a zero step makes it,
         p.grad = torch.zeros_like(p)  # moving nothing, and its count is reset (the first step is then the first)
     optimizer.step()
-    for state in optimizer.state.values():
+    for state in local.state.values():
         state["step"].zero_()
-    resident = _storage_bytes([_local(t) for t in parameters + state_tensors([optimizer])])
+    resident = _storage_bytes([_local(t) for t in parameters + state_tensors([local])])
     report.doing("ready, waiting for its peers", False, milestone=True)
     losses, peaks, seconds, grads = [], [], [], None
     for step in range(1, steps + 1):
@@ -174,7 +183,7 @@ def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr
             started = time.perf_counter()
             loss = built.loss_fn(planned(*inputs))
             loss.backward()
-            sum_shared_gradients(shared)
+            average_gradients(averaged)
             if where.type == "cuda":
                 torch.cuda.synchronize(where)
             seconds.append(time.perf_counter() - started)
@@ -191,7 +200,7 @@ def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr
                               resident=resident, grads=grads)
 
 
-def _named_parameters(pairs) -> dict:
+def named_parameters(pairs) -> dict:
     """``{id: (stage.name, parameter)}`` of the parameters needing gradients, each named at its first stage."""
     named = {}
     for stage, module in pairs:
@@ -224,7 +233,7 @@ def summary_lines(results) -> list:
     for r in results:
         lines.append(f"{r.rank:>4}  {r.measured:>12,}  {r.predicted:>12,}  {r.measured / r.predicted:>6.3f}  "
                      f"{r.peaks[0]:>12,}  {r.resident:>10,}  {r.seconds[-1]:>8.4f}  {r.losses[-1]:.6f}")
-    lines.append("measured: the rank's input and what its step allocated at its peak (whole parameters all-gathered, "
-                 "sharded gradients), in the last step; predicted: the plan's peak for one rank's step; first step: "
+    lines.append("measured: the rank's input and what its step allocated at its peak (all-gathered parameters and "
+                 "gradients included), in the last step; predicted: the plan's peak for one rank's step; first step: "
                  "also what FSDP2 allocates once; resident: the rank's parameters and Adam state, measured")
     return lines

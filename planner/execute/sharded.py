@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from planner.errors import MemschedError
 from planner.execute.autograd import differentiate
 from planner.execute.records import find_shared
 from planner.execute.steprun import StepRun
@@ -101,11 +102,14 @@ class _ReduceScatter:
 
 
 def shard_stages(pairs, zero: int, dp: int, mesh=None) -> None:
-    """``fully_shard`` each stage ``(name, module)`` with parameters (in place) for ZeRO ``zero`` over ``mesh``
-    (default: the world of ``dp`` ranks); shared parameters stay whole."""
+    """``fully_shard`` each stage ``(name, module)`` with parameters (in place) for ZeRO ``zero`` (2 or 3) over
+    ``mesh`` (default: the world of ``dp`` ranks); shared parameters stay whole."""
     from torch.distributed.fsdp import fully_shard
 
     check_sharding(zero, dp)
+    if zero == 1:
+        raise MemschedError("ZeRO 1 shards no stage: it runs with ZeroRedundancyOptimizer "
+                            "(planner/execute/data_parallel.py)")
     shared = set(shared_parameters_of(pairs))
     for _, module in pairs:
         if isinstance(module, torch.nn.Module) and any(p not in shared for p in module.parameters()):
@@ -119,9 +123,9 @@ def shard_stages(pairs, zero: int, dp: int, mesh=None) -> None:
                 module.set_custom_reduce_scatter(buffers.reduce)
 
 
-def sum_shared_gradients(parameters) -> None:
-    """Average the gradients of the whole (unsharded) ``parameters`` across the ranks, as FSDP2 averages the
-    sharded ones: every rank then holds the whole batch's gradient."""
+def average_gradients(parameters) -> None:
+    """Average the gradients of the whole (unsharded) ``parameters`` across the ranks, in place, as FSDP2
+    averages the sharded ones: every rank then holds the whole batch's gradient."""
     for parameter in parameters:
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
