@@ -328,7 +328,6 @@ def _parser() -> argparse.ArgumentParser:
 def _profile(args) -> None:
     from profiles.chain_profiler import profile_chain  # torch loads only for the commands that need it
     from profiles.spec import load_model
-    from profiles.training import profiled_for_training as _profiled
 
     if args.throughput is not None and not args.estimate:
         raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate")
@@ -339,8 +338,10 @@ def _profile(args) -> None:
         raise MemschedError("--bandwidth is for chain profiles (offload plans); a graph profile has no copy channel")
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph)
     if args.graph:
-        graph = _profiled(model, args.device, args.nodes, estimate=args.estimate, throughput=args.throughput,
-                          warmup=args.warmup, repeats=args.repeats)
+        from profiles.training import profiled_for_training  # the training runtime: not for a chain profile
+
+        graph = profiled_for_training(model, args.device, args.nodes, estimate=args.estimate,
+                                      throughput=args.throughput, warmup=args.warmup, repeats=args.repeats)
         save_graph(graph, args.output)
         print("\n".join(render.graph_summary(graph, store_all_graph_peak(graph)) + [f"graph written to {args.output}"]))
         return

@@ -21,9 +21,9 @@ import cli
 import solvers
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
-from planner.execute.data_parallel import rank_slice, run_data_parallel
+from planner.execute.data_parallel import run_data_parallel
 from planner.execute.sharded import shard_units
-from planner.execute.stages import named_stages, run_stages, trainable_parameters
+from planner.execute.stages import named_stages, rank_slice, run_stages, trainable_parameters
 from planner.sharding import ShardUnit, check_sharding, rank_residents, sharded_chain, step_constant, zero1_partition
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter

@@ -1,7 +1,7 @@
 """Data parallelism with ZeRO: one process per rank, each training the same chain plan on its part of the batch.
 
 :func:`run_data_parallel` launches ``dp`` ranks (planner/execute/pipeline.py's launcher: spawn, gloo on CPU,
-NCCL on CUDA). Each builds the model on its part of the batch (:func:`rank_slice`, :func:`batch_part`) and runs
+NCCL on CUDA). Each builds the model on its part of the batch (planner/execute/stages.py's ``rank_slice``) and runs
 the plan's schedule: for ZeRO 2 and 3 on stages sharded with FSDP2 (planner/execute/sharded.py), the gradients of
 parameters kept whole averaged after the backward, Adam stepping on its shards; for ZeRO 1 on the whole stages,
 every gradient averaged, PyTorch's ``ZeroRedundancyOptimizer`` (Adam) stepping its part of the state. Each
@@ -9,16 +9,14 @@ measures its steps' peaks in a window opened with the gradients ``None`` and the
 returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data parallelism").
 """
 
-import dataclasses
 import functools
 import os
 import time
-import types
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from planner.errors import MemschedError
 from planner.execute.chain import apply_schedule
@@ -49,76 +47,13 @@ class DataParallelResult:
         return self.peaks[-1]
 
 
-def rank_slice(built, rank: int, world: int):
-    """The staged model ``built`` on rank ``rank``'s part of its batch: its inputs cut by :func:`batch_part`, and
-    the loss's target too when it closes over one (as the zoo's do: a row per sample or per token)."""
-    inputs, cut, batch = _parts(built.example_inputs, rank, world)
-    return dataclasses.replace(built, example_inputs=inputs, loss_fn=_sliced_loss(built.loss_fn, cut, batch))
-
-
-def batch_part(inputs, rank: int, world: int):
-    """``inputs`` (a tensor, or a tuple or dict of them and other values) with every tensor whose first dimension
-    is the batch (the first tensor's) cut into ``world`` equal parts: a copy of part ``rank``. A batch that does not
-    split evenly is refused in one line."""
-    return _parts(inputs, rank, world)[0]
-
-
-def _parts(inputs, rank: int, world: int) -> tuple:
-    """``(inputs cut, cut, batch)``: :func:`batch_part`'s result, the function cutting a tensor whose first
-    dimension is a multiple of the batch, and the batch."""
-    flat, spec = tree_flatten(inputs)
-    first = next((t for t in flat if isinstance(t, torch.Tensor)), None)
-    if first is None or not first.dim():
-        raise MemschedError("data parallelism splits the model's first input along its first dimension: it must "
-                            "be a tensor")
-    batch = first.shape[0]
-    if batch % world:
-        raise MemschedError(f"the batch of {batch} does not split over {world} data-parallel ranks; give a batch that "
-                            f"is a multiple of {world} (--batch)")
-
-    def cut(value):
-        rows = value.shape[0] // world
-        return value[rank * rows:(rank + 1) * rows].clone()
-
-    parts = [cut(value) if _batch_sized(value, batch, exactly=True) else value for value in flat]
-    return tree_unflatten(parts, spec), cut, batch
-
-
-def _batch_sized(value, batch: int, exactly: bool = False) -> bool:
-    """A tensor whose first dimension is ``batch`` (or, not ``exactly``, a non-zero multiple of it)."""
-    if not isinstance(value, torch.Tensor) or not value.dim() or not value.shape[0]:
-        return False
-    return value.shape[0] == batch if exactly else value.shape[0] % batch == 0
-
-
-def _sliced_loss(loss_fn, cut, batch):
-    """``loss_fn`` with the one tensor it closes over whose first dimension is a multiple of the batch (its target:
-    a row per sample or per token), if any, cut to the rank's part."""
-    cells = getattr(loss_fn, "__closure__", None) or ()
-    found = [k for k, cell in enumerate(cells) if _batch_sized(_contents(cell), batch)]
-    if not found:
-        return loss_fn
-    if len(found) > 1:
-        raise MemschedError(f"data parallelism: the loss closes over {len(found)} tensors sized by the batch; it "
-                            "can split one target")
-    cells = tuple(types.CellType(cut(cell.cell_contents)) if k == found[0] else cell for k, cell in enumerate(cells))
-    return types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, cells)
-
-
-def _contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
 def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter, device: str = "cpu",
                       lr: float = 1e-3, predicted: int, chain=None, return_grads: bool = False, seed: int = 0,
                       progress_timeout: float = 300.0, threads: int = None) -> list:
     """Train ``steps`` steps of ``model`` by the chain ``plan`` on ``dp`` ranks with ZeRO ``zero``; a
     :class:`DataParallelResult` per rank. ``model(part=(rank, dp))``: a picklable function returning the staged
     model on that rank's part of the batch (``functools.partial(profiles.spec.built_model, spec, batch=N)``, which
-    cuts the inputs before it finds the stages: planner/execute/data_parallel.py's :func:`batch_part`).
+    cuts the inputs before it finds the stages: planner/execute/stages.py's :func:`batch_part`).
 
     ``plan``: solved for one rank's step (planner/sharding.py's chain); ``predicted``: its peak for that step.
     ``meter(device)``: the memory meter (``profiles.memory.memory_meter``). ``chain``: when given, what it was

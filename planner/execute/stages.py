@@ -10,11 +10,12 @@ loss. Stage ``k`` is called as ``module(a_k, *extra)`` (:func:`run_stages`); ``l
 import contextlib
 import dataclasses
 import logging
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import MemschedError
 
@@ -130,3 +131,70 @@ def quiet_fake_tensor_log():
         yield
     finally:
         logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------------
+# A data-parallel rank's part of the batch (planner/execute/data_parallel.py)
+
+
+def rank_slice(built, rank: int, world: int):
+    """The staged model ``built`` on rank ``rank``'s part of its batch: its inputs cut by :func:`batch_part`, and
+    the loss's target too when it closes over one (as the zoo's do: a row per sample or per token)."""
+    inputs, cut, batch = _parts(built.example_inputs, rank, world)
+    return dataclasses.replace(built, example_inputs=inputs, loss_fn=_sliced_loss(built.loss_fn, cut, batch))
+
+
+def batch_part(inputs, rank: int, world: int):
+    """``inputs`` (a tensor, or a tuple or dict of them and other values) with every tensor whose first dimension
+    is the batch (the first tensor's) cut into ``world`` equal parts: a copy of part ``rank``. A batch that does not
+    split evenly is refused in one line."""
+    return _parts(inputs, rank, world)[0]
+
+
+def _parts(inputs, rank: int, world: int) -> tuple:
+    """``(inputs cut, cut, batch)``: :func:`batch_part`'s result, the function cutting a tensor whose first
+    dimension is a multiple of the batch, and the batch."""
+    flat, spec = tree_flatten(inputs)
+    first = next((t for t in flat if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.dim():
+        raise MemschedError("data parallelism splits the model's first input along its first dimension: it must "
+                            "be a tensor")
+    batch = first.shape[0]
+    if batch % world:
+        raise MemschedError(f"the batch of {batch} does not split over {world} data-parallel ranks; give a batch that "
+                            f"is a multiple of {world} (--batch)")
+
+    def cut(value):
+        rows = value.shape[0] // world
+        return value[rank * rows:(rank + 1) * rows].clone()
+
+    parts = [cut(value) if _batch_sized(value, batch, exactly=True) else value for value in flat]
+    return tree_unflatten(parts, spec), cut, batch
+
+
+def _batch_sized(value, batch: int, exactly: bool = False) -> bool:
+    """A tensor whose first dimension is ``batch`` (or, not ``exactly``, a non-zero multiple of it)."""
+    if not isinstance(value, torch.Tensor) or not value.dim() or not value.shape[0]:
+        return False
+    return value.shape[0] == batch if exactly else value.shape[0] % batch == 0
+
+
+def _sliced_loss(loss_fn, cut, batch):
+    """``loss_fn`` with the one tensor it closes over whose first dimension is a multiple of the batch (its target:
+    a row per sample or per token), if any, cut to the rank's part."""
+    cells = getattr(loss_fn, "__closure__", None) or ()
+    found = [k for k, cell in enumerate(cells) if _batch_sized(_contents(cell), batch)]
+    if not found:
+        return loss_fn
+    if len(found) > 1:
+        raise MemschedError(f"data parallelism: the loss closes over {len(found)} tensors sized by the batch; it "
+                            "can split one target")
+    cells = tuple(types.CellType(cut(cell.cell_contents)) if k == found[0] else cell for k, cell in enumerate(cells))
+    return types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, cells)
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
