@@ -24,11 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import solvers  # noqa: E402
-from planner.execute.data_parallel import named_parameters, run_data_parallel  # noqa: E402
-from planner.execute.records import find_shared  # noqa: E402
-from planner.execute.sharded import shard_units  # noqa: E402
+from planner.execute.data_parallel import run_data_parallel  # noqa: E402
+from planner.execute.sharded import residents_of, shard_units  # noqa: E402
 from planner.execute.stages import named_stages  # noqa: E402
-from planner.sharding import rank_residents, sharded_chain, step_constant  # noqa: E402
+from planner.sharding import sharded_chain, step_constant  # noqa: E402
 from planner.training_setup import TrainingSetup  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter  # noqa: E402
@@ -61,9 +60,8 @@ def rows(name: str, steps: int) -> list:
     pairs = named_stages(part.stages)
     rank_chain = profile_chain(part.stages, part.example_inputs, loss_fn=part.loss_fn, name=name, options=0)
     units = shard_units(pairs, 2)
-    sizes = [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()]
     for zero in (1, 2, 3):
-        resident = max(rank_residents(zero, 2, units, sum(entry.bytes for entry, _ in find_shared(pairs)), sizes))
+        resident = max(residents_of(pairs, zero, 2))
         sharded = sharded_chain(rank_chain, zero, units)
         constant = step_constant(zero, units)
         plain = None

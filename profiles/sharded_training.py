@@ -11,11 +11,10 @@ import functools
 
 import solvers
 from planner.errors import MemschedError
-from planner.execute.data_parallel import named_parameters, run_data_parallel, summary_lines
-from planner.execute.records import find_shared
-from planner.execute.sharded import shard_units
+from planner.execute.data_parallel import run_data_parallel, summary_lines
+from planner.execute.sharded import residents_of, shard_units
 from planner.execute.stages import named_stages
-from planner.sharding import check_sharding, rank_residents, sharded_chain, step_constant
+from planner.sharding import check_sharding, sharded_chain, step_constant
 from planner.units import describe_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
@@ -40,8 +39,7 @@ def train_data_parallel(spec: str, batch, dp: int, zero: int, budget: str, *, de
     units = shard_units(pairs, dp)
     sharded = sharded_chain(chain, zero, units)
     constant = step_constant(zero, units)
-    residents = rank_residents(zero, dp, units, sum(entry.bytes for entry, _ in find_shared(pairs)),
-                               [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()])
+    residents = residents_of(pairs, zero, dp)
     resident = max(residents)
     step_budget, how = _step_budget(budget, device_memory, sharded, resident, constant)
     if step_budget <= constant:

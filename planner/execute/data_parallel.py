@@ -23,7 +23,7 @@ from planner.execute.chain import apply_schedule
 from planner.execute.pipeline import check_progress_timeout, launch_ranks
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.sharded import average_gradients, shard_stages, shared_parameters_of
-from planner.execute.stages import named_stages
+from planner.execute.stages import named_parameters, named_stages
 from planner.execute.updates import state_tensors
 from planner.measured_on import record_of
 from planner.sharding import check_sharding
@@ -133,16 +133,6 @@ def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr
         report.send("step", step)
     return DataParallelResult(rank=rank, losses=losses, peaks=peaks, seconds=seconds, predicted=predicted,
                               resident=resident, grads=grads)
-
-
-def named_parameters(pairs) -> dict:
-    """``{id: (stage.name, parameter)}`` of the parameters needing gradients, each named at its first stage."""
-    named = {}
-    for stage, module in pairs:
-        for name, parameter in module.named_parameters() if isinstance(module, torch.nn.Module) else ():
-            if parameter.requires_grad:
-                named.setdefault(id(parameter), (f"{stage}.{name}", parameter))
-    return named
 
 
 def _local(tensor):

@@ -2,9 +2,9 @@
 
 :func:`shard_stages` shards each stage module over the data-parallel ranks with PyTorch's own ``fully_shard``,
 each stage its own root (its collectives run at its own operations, none prefetched), parameters shared by
-stages left whole (``ignored_params``; :func:`sum_shared_gradients` sums their gradients across ranks).
-:func:`shard_units` gives the bytes planner/sharding.py models. :class:`ShardedStepRun` runs a chain schedule on
-the sharded stages: ZeRO 3 all-gathers a stage at each of its operations and frees it after
+stages left whole (``ignored_params``; :func:`average_gradients` averages their gradients across ranks).
+:func:`shard_units` and :func:`residents_of` give the bytes planner/sharding.py models. :class:`ShardedStepRun`
+runs a chain schedule on the sharded stages: ZeRO 3 all-gathers a stage at each of its operations and frees it after
 (``reshard_after_forward=True``); ZeRO 2 all-gathers every stage when the step starts and frees them when it
 ends. A stage's backward lets autograd accumulate its parameters' gradients so that FSDP2's post-backward finds
 them and reduce-scatters them into the sharded parameters' ``.grad``.
@@ -17,8 +17,9 @@ import torch
 from planner.errors import MemschedError
 from planner.execute.autograd import differentiate
 from planner.execute.records import find_shared
+from planner.execute.stages import named_parameters
 from planner.execute.steprun import StepRun
-from planner.sharding import ShardUnit, check_sharding
+from planner.sharding import ShardUnit, check_sharding, rank_residents
 
 
 def shared_parameters_of(pairs) -> list:
@@ -46,6 +47,14 @@ def shard_units(pairs, dp: int) -> list:
                 gradients += parameter.numel() * parameter.element_size() if parameter.requires_grad else 0
         units.append(ShardUnit(gathered, shard, gradients))
     return units
+
+
+def residents_of(pairs, zero: int, dp: int) -> list:
+    """:func:`planner.sharding.rank_residents` of the live stages ``(name, module)``: per rank, the bytes of its
+    parameters and Adam state under ZeRO ``zero`` over ``dp`` ranks."""
+    sizes = [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()]
+    replicated = sum(entry.bytes for entry, _ in find_shared(pairs))
+    return rank_residents(zero, dp, shard_units(pairs, dp), replicated, sizes)
 
 
 # NOTE [collective buffers]

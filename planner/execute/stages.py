@@ -92,8 +92,18 @@ def run_stages(stages, inputs):
 
 def trainable_parameters(stages) -> list:
     """The parameters of ``(name, module)`` pairs that require gradients, each once (shared ones too)."""
-    return list({id(p): p for _, module in stages if isinstance(module, torch.nn.Module)
-                 for p in module.parameters() if p.requires_grad}.values())
+    return [parameter for _, parameter in named_parameters(stages).values()]
+
+
+def named_parameters(stages) -> dict:
+    """``{id: (stage.name, parameter)}`` of the parameters of ``(name, module)`` pairs that require gradients,
+    each once, named at its first stage."""
+    named = {}
+    for stage, module in stages:
+        for name, parameter in module.named_parameters() if isinstance(module, torch.nn.Module) else ():
+            if parameter.requires_grad:
+                named.setdefault(id(parameter), (f"{stage}.{name}", parameter))
+    return named
 
 
 @contextlib.contextmanager
