@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import planner.validate as validate
+from planner.accumulate import check_accumulate, check_mixes
 from planner.errors import MemschedError
 from planner.graph import Graph
 from planner.jsonio import read_json, write_json_atomic
@@ -30,7 +31,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # each but the first (PyTorch's schedules), and at least one sample of the batch.
 MAX_MICRO_BATCHES = 2**20
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline",
-                "update", "host_stages")
+                "update", "host_stages", "accumulate")
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
@@ -109,6 +110,9 @@ class Plan:
     # and is simulated, on planner.updates.updated_chain of its chain (over ``transfer`` for "on-host").
     update: str = "after"
     host_stages: Optional[tuple] = None  # "on-host": the stages updated on the host (None: every stage)
+    # Micro-batches whose gradients add up before one optimizer step (planner/accumulate.py): above 1, a chain plan
+    # solved, and simulated, for the micro-batches after the first (gradients held from the start).
+    accumulate: int = 1
 
     @property
     def moves_data(self) -> bool:
@@ -137,6 +141,7 @@ class Plan:
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
             **({} if self.update == "after" else {"update": self.update}),
             **({} if self.host_stages is None else {"host_stages": list(self.host_stages)}),
+            **({} if self.accumulate == 1 else {"accumulate": self.accumulate}),
         }
 
     def _common_dict(self) -> dict:
@@ -184,6 +189,12 @@ class Plan:
             if not isinstance(host_stages, list):
                 raise MemschedError(f"{where}: host_stages must be a list of stage indices")
             host_stages = tuple(validate.count(k, f"{where}: host_stages[{n}]") for n, k in enumerate(host_stages))
+        accumulate = check_accumulate(data.get("accumulate", 1), f"{where}: accumulate")
+        if accumulate > 1:
+            if kind != "chain":
+                raise MemschedError(f"{where}: only a plan of kind 'chain' accumulates gradients over micro-batches "
+                                    f"(accumulate {accumulate}), not one of kind {kind!r}")
+            check_mixes(accumulate, update=update, moves_data=data.get("transfer") is not None, where=where)
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -229,6 +240,7 @@ class Plan:
                 problem["measured_on"], f"{where}: problem.measured_on"),
             update=update,
             host_stages=host_stages,
+            accumulate=accumulate,
         )
 
 

@@ -86,15 +86,16 @@ def updated_chain(chain, update: str, transfer=None, host=None):
         if i in on_host and made and channel is not None:
             copies = channel.seconds(made - stays, "d2h") + channel.seconds(made, "h2d")
         options = tuple(dataclasses.replace(option, bwd_time=option.bwd_time + copies,
-                                            bwd_tmp_bytes=_transient(option.bwd_tmp_bytes, made,
-                                                                     option.own_saved_bytes, stage.out_bytes))
+                                            bwd_tmp_bytes=backward_transient(option.bwd_tmp_bytes, made,
+                                                                             option.own_saved_bytes, stage.out_bytes))
                         for option in stage.options)
         stages.append(dataclasses.replace(
             stage, param_bytes=stays, bwd_time=stage.bwd_time + copies, options=options, held_bwd_tmp_bytes=None,
-            bwd_tmp_bytes=_transient(stage.bwd_tmp_bytes, made, stage.own_saved_bytes, stage.out_bytes)))
+            bwd_tmp_bytes=backward_transient(stage.bwd_tmp_bytes, made, stage.own_saved_bytes, stage.out_bytes)))
     return dataclasses.replace(chain, stages=tuple(stages))
 
 
-def _transient(bwd_tmp: int, gradients: int, own_saved: int, out: int) -> int:
-    """A backward's temporaries once its ``gradients`` are freed at its end: at least the moment all exist."""
+def backward_transient(bwd_tmp: int, gradients: int, own_saved: int, out: int) -> int:
+    """A backward's temporaries (bytes) once the ``gradients`` it makes are freed at its end: at least the moment
+    all exist (planner/accumulate.py makes them transient too)."""
     return max(bwd_tmp, gradients - own_saved - out)

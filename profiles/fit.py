@@ -12,8 +12,10 @@ import dataclasses
 import torch
 
 import solvers
+from planner.accumulate import check_accumulate, check_mixes
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
+from planner.simulate import micro_batch_peaks
 from planner.units import parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.discover import discover, returned_loss
@@ -23,7 +25,7 @@ from profiles.options import DEFAULT_OPTIONS
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        **options) -> "FittedModel":
+        accumulate: int = 1, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -39,10 +41,14 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     ``update="in-backward"`` (or ``"on-host"``, with a ``transfer`` channel: planner/updates.py) the backward
     also updates the parameters, by ``optimizer`` (sgd, momentum, adam, adamw) at ``lr``, freeing each stage's
     gradients as it goes: the loop is ``fitted(**batch).backward()``, without an optimizer of its own.
+    ``accumulate=k``: the loop adds ``k`` micro-batches' gradients before each ``optimizer.step();
+    optimizer.zero_grad()``; the plan is solved for the micro-batches after the first, which start with every
+    gradient held (planner/accumulate.py), and ``.micro_batch_peaks`` predicts each one's peak (a percentage
+    budget is then of that step's store-all peak).
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       options=dict(options, optimizer=optimizer, lr=lr))
+                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate))
 
 
 @dataclasses.dataclass
@@ -62,7 +68,9 @@ class FittedModel(torch.nn.Module):
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
                  stage_options, compile, options):
         super().__init__()
-        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling
+        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
+        check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
+                    compile=compile)
         self.model = model
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
@@ -79,8 +87,8 @@ class FittedModel(torch.nn.Module):
         staged = discovery.staged
         chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
                               repeats=s["repeats"], name=staged.name, options=s["stage_options"])
-        budget = _budget_bytes(s["budget"], chain)
         options = dict(s["options"])
+        budget = _budget_bytes(s["budget"], chain, options["accumulate"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
         plan = solvers.solve(chain, budget, s["solver"], **options)
         # the example batch is not kept: it would sit in memory beside every step
@@ -94,6 +102,12 @@ class FittedModel(torch.nn.Module):
     def plan(self):
         """The plan the next call runs by (:class:`planner.plan.Plan`)."""
         return self._current.plan
+
+    @property
+    def micro_batch_peaks(self) -> tuple:
+        """Bytes: the predicted peak of each micro-batch of an optimizer step (one without ``accumulate``), the
+        first's from no gradient (:func:`planner.simulate.micro_batch_peaks`)."""
+        return micro_batch_peaks(self._current.chain, self._current.plan)
 
     @property
     def chain(self):
@@ -144,12 +158,13 @@ def _example(args: tuple, kwargs: dict):
     return kwargs or args
 
 
-def _budget_bytes(budget, chain):
-    """``budget`` in bytes (a percentage of ``chain``'s store-all peak); with no chain yet, only read (None when it
-    is a percentage)."""
+def _budget_bytes(budget, chain, accumulate: int = 1):
+    """``budget`` in bytes (a percentage of ``chain``'s store-all peak, over ``accumulate`` micro-batches); with no
+    chain yet, only read (None when it is a percentage)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
         raise MemschedError(f"fit budget: give bytes (an int), a string like '6GiB' or a percentage like '50%', "
                             f"got {type(budget).__name__}")
     if chain is None and str(budget).strip().endswith("%"):
         return None
-    return parse_budget(str(budget), None if chain is None else solvers.store_all_peak(chain), what="fit budget")
+    return parse_budget(str(budget), None if chain is None else solvers.store_all_peak(chain, accumulate),
+                        what="fit budget")

@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import time
 
+from planner.accumulate import accumulating_chain, check_accumulate, check_mixes, held_gradient_bytes
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.graph import Graph
@@ -60,8 +61,12 @@ OFFLOAD_SOLVERS = {
 SOLVER_NAMES = ("auto",) + tuple(SOLVERS) + tuple(OFFLOAD_SOLVERS)
 
 
-def store_all_peak(chain: Chain) -> int:
-    """Bytes: the peak of the no-recomputation schedule, the largest budget worth giving."""
+def store_all_peak(chain: Chain, accumulate: int = 1) -> int:
+    """Bytes: the peak of the no-recomputation schedule, the largest budget worth giving; with gradients
+    accumulated over ``accumulate`` micro-batches, the peak of a micro-batch after the first (planner/accumulate.py)."""
+    if check_accumulate(accumulate) > 1:
+        return ChainSimulator(accumulating_chain(chain), held_gradient_bytes(chain)).run(
+            store_all_schedule(chain.length)).peak_bytes
     return ChainSimulator(chain).run(store_all_schedule(chain.length)).peak_bytes
 
 
@@ -74,20 +79,24 @@ def choose_solver(chain: Chain, budget: int) -> str:
 
 
 def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update: str = "after", host_stages=None,
-          **params) -> Plan:
+          accumulate: int = 1, **params) -> Plan:
     """The plan ``solver`` finds for ``chain`` within ``budget`` bytes, its figures from the simulator.
 
     ``weights`` (``"all"`` or stage indices) puts those stages' parameters on the host (solvers/weights.py).
     ``update`` (planner/updates.py): when the optimizer updates the parameters; other than ``"after"``, the plan
     is solved on :func:`planner.updates.updated_chain` and records it (``"on-host"`` over ``transfer``, else the
     chain's channel, for the stages ``host_stages``: every stage when None); its overhead is against the chain's
-    own step.
+    own step. ``accumulate`` above 1: gradients add up over that many micro-batches before the optimizer's step;
+    the plan is solved for the micro-batches after the first (planner/accumulate.py), the binding ones, and
+    records it.
     Raises :class:`MemschedError` for an unknown solver or parameter, a budget
     below the least memory any schedule needs (the message states it), or a
     solver whose schedule does not fit.
     """
     if solver not in SOLVER_NAMES:
         raise MemschedError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVER_NAMES)}")
+    if check_accumulate(accumulate) > 1:
+        return _solve_accumulating(chain, budget, solver, accumulate, weights, update, params)
     if check_update(update) != "after":
         return _solve_updating(chain, budget, solver, weights, update, host_stages, params)
     if weights is not None:
@@ -130,6 +139,28 @@ def _solve_updating(chain: Chain, budget: int, solver: str, weights, update: str
     return dataclasses.replace(plan, fingerprint=chain.fingerprint(), update=update, host_stages=host,
                                transfer=transfer if update == "on-host" else None,
                                predicted=dataclasses.replace(plan.predicted, baseline_time=chain.compute_time))
+
+
+def _solve_accumulating(chain: Chain, budget: int, solver: str, accumulate: int, weights, update: str,
+                        params: dict) -> Plan:
+    """:func:`solve` of :func:`planner.accumulate.accumulating_chain` within the budget less the gradients it holds,
+    recorded as ``chain``'s plan over ``accumulate`` micro-batches."""
+    check_mixes(accumulate, update=update, moves_data=weights is not None or solver in OFFLOAD_SOLVERS)
+    held = held_gradient_bytes(chain)
+    rest = budget - held
+    why = (f"accumulating gradients over {accumulate} micro-batches holds every gradient "
+           f"({format_bytes(held)}) from the second micro-batch's start")
+    if rest <= 0:
+        raise MemschedError(f"budget {format_bytes(budget)} does not hold the gradients: {why}; raise the budget")
+    try:
+        plan = solve(accumulating_chain(chain), rest, solver, **params)
+    except MemschedError as exc:
+        raise MemschedError(f"{why}, leaving {format_bytes(rest)} of the budget {format_bytes(budget)} for the "
+                            f"rest of the step: {exc}") from None
+    predicted = dataclasses.replace(plan.predicted, peak_bytes=plan.predicted.peak_bytes + held,
+                                    baseline_time=chain.compute_time)
+    return dataclasses.replace(plan, fingerprint=chain.fingerprint(), accumulate=accumulate, budget_bytes=budget,
+                               predicted=predicted)
 
 
 def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, params: dict) -> Plan:

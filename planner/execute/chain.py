@@ -13,6 +13,7 @@ trees of tensors. Hold no reference to the returned output across ``backward()``
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from planner.accumulate import check_mixes
 from planner.errors import MemschedError
 from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
 from planner.execute.fusion import fused_positions, output_releases
@@ -79,7 +80,10 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
     """:func:`apply_schedule` of ``plan``'s schedule, once the plan is checked: of kind chain, a channel recorded
     when it moves data; with ``chain``, its fingerprint and stage names. A plan whose optimizer updates inside
     the backward (``plan.update``) runs ``optimizer`` at ``lr`` there (planner/execute/updates.py): its call
-    then trains, and the caller runs no ``optimizer.step()``.
+    then trains, and the caller runs no ``optimizer.step()``. A plan accumulating gradients over micro-batches
+    (``plan.accumulate``, planner/accumulate.py) runs every stage's backward on its own (``fuse=False``), each
+    stage's gradients added into ``.grad`` before the next stage's are made, as its chain counts them; it runs
+    eagerly (``compile`` refused).
 
     What the chain was measured on (``chain.measured_on``, else the plan's copy of it) is checked too, when
     recorded: each stage's parameters here, the inputs at the module's first call with gradients; a
@@ -107,7 +111,9 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
     update = None if plan.update == "after" else (plan.update, optimizer, lr, plan.host_stages)
-    return apply_schedule(pairs, plan.schedule, fuse, measured, source, recomputes, compile, update)
+    check_mixes(plan.accumulate, compile=compile)
+    return apply_schedule(pairs, plan.schedule, fuse and plan.accumulate == 1, measured, source, recomputes, compile,
+                          update)
 
 
 def _stage_count(schedule, pairs) -> int:

@@ -8,6 +8,7 @@ refuse a schedule that cannot run without the problem. The rules are in docs/mod
 
 import dataclasses
 
+from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.graph import Graph
@@ -21,7 +22,7 @@ from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
 from planner.updates import updated_chain
 
-__all__ = ["simulate", "check_schedule", "check_plan_schedules"]
+__all__ = ["simulate", "check_schedule", "check_plan_schedules", "micro_batch_peaks"]
 
 _NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
 _NO_OPTION = StageOption(recompute=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0, own_saved_bytes=0)
@@ -33,7 +34,9 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
     ``problem`` is a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`. A chain schedule with
     transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
     given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan whose optimizer
-    updates in the backward is replayed on :func:`planner.updates.updated_chain` of the chain. A plan of kind
+    updates in the backward is replayed on :func:`planner.updates.updated_chain` of the chain, one accumulating
+    gradients (``accumulate`` above 1) on :func:`planner.accumulate.accumulating_chain` of it from its held
+    gradients (the micro-batches after the first: :func:`micro_batch_peaks` gives each one's peak). A plan of kind
     ``pipeline`` gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
     :class:`planner.simulate.replay.SimResult`.
     """
@@ -44,6 +47,8 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
         schedule = plan_or_schedule.schedule
         transfer = plan_or_schedule.transfer or transfer
         problem = updated_chain(problem, plan_or_schedule.update, transfer, plan_or_schedule.host_stages)
+        if plan_or_schedule.accumulate > 1:  # no transfers (Plan refuses them with it)
+            return ChainSimulator(accumulating_chain(problem), held_gradient_bytes(problem)).run(schedule)
     else:
         schedule = plan_or_schedule
     if isinstance(problem, Graph):
@@ -55,6 +60,16 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
                                 "(--bandwidth 16GB/s) or profile on CUDA")
         return OffloadSimulator(problem, channel, host_weight_stages(schedule)).run(schedule)
     return ChainSimulator(problem).run(schedule)
+
+
+def micro_batch_peaks(chain: Chain, plan: Plan) -> tuple:
+    """Bytes: the predicted peak of each of the ``plan.accumulate`` micro-batches of one optimizer step of a chain
+    plan: the first's from no gradient (the chain's own step), every later one's :func:`simulate`'s (the plan's
+    ``predicted.peak_bytes``, never below the first's)."""
+    later = simulate(chain, plan).peak_bytes
+    if plan.accumulate == 1:
+        return (later,)
+    return (ChainSimulator(chain).run(plan.schedule).peak_bytes,) + (later,) * (plan.accumulate - 1)
 
 
 def check_schedule(schedule, length: int) -> None:

@@ -26,17 +26,20 @@ class ChainState(NamedTuple):
 
 
 class ChainSimulator:
-    """Replays operations on one chain; :meth:`step` is also used by exhaustive searches."""
+    """Replays operations on one chain; :meth:`step` is also used by exhaustive searches. ``held_bytes``: bytes
+    resident from the start of the step to its end besides the input (the gradients that earlier micro-batches
+    accumulated: planner/accumulate.py)."""
 
-    def __init__(self, chain: Chain):
+    def __init__(self, chain: Chain, held_bytes: int = 0):
         self.chain = chain
+        self.held_bytes = held_bytes
         self.length = chain.length
         self.act = [chain.act_bytes(i) for i in range(chain.length + 1)]
         self.full_mask = (1 << (chain.length + 1)) - 1
 
     def initial_state(self) -> ChainState:
-        """Only the input is resident."""
-        return ChainState(standalone=1, checkpoint=0, abar=0, grad=0, done=0, memory=self.act[0])
+        """Only the input (and the held bytes) is resident."""
+        return ChainState(standalone=1, checkpoint=0, abar=0, grad=0, done=0, memory=self.act[0] + self.held_bytes)
 
     def is_complete(self, state: ChainState) -> bool:
         """True once the loss and every backward have run."""

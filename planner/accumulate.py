@@ -1,0 +1,75 @@
+"""Gradient accumulation: several backwards add their gradients into ``.grad`` before one optimizer step (no torch).
+
+The loop is ``for batch in micro_batches: loss(batch).backward()``, then ``optimizer.step()`` and
+``optimizer.zero_grad()`` (which sets the gradients to None). The first micro-batch starts without gradients: its
+step is the chain's own, each stage's ``param_bytes`` made by its ``B`` and held to the end. From the second on,
+every parameter's gradient is resident from the start of the step (:func:`held_gradient_bytes`), and ``B i`` makes
+its stage's gradients anew and adds them into ``.grad`` in place: they are a transient of its backward, freed at
+its end, as with an update inside the backward (planner/updates.py). :func:`accumulating_chain` is the chain
+those micro-batches run, which every chain solver plans unchanged within the budget less the held gradients; the
+simulator replays it from that many bytes (``ChainSimulator(chain, held_bytes=...)``). Each stage's backward
+adds its own gradients (the executor runs accumulating plans unfused: a graph of several stages would make all
+their gradients before adding any). Why this is exact: docs/model.md, "Gradient accumulation".
+"""
+
+import dataclasses
+
+from planner.errors import MemschedError
+from planner.updates import backward_transient
+
+MAX_ACCUMULATE = 2**20  # micro-batches per optimizer step: each is a forward and a backward
+
+
+def check_accumulate(value, where: str = "accumulate") -> int:
+    """``value``, the micro-batches per optimizer step, if a whole number from 1 to :data:`MAX_ACCUMULATE`; else a
+    one-line :class:`MemschedError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ACCUMULATE:
+        raise MemschedError(f"{where}: the micro-batches whose gradients add up before one optimizer step must be a "
+                            f"whole number from 1 (no accumulation) to {MAX_ACCUMULATE}, got {value!r}")
+    return value
+
+
+def held_gradient_bytes(chain) -> int:
+    """Bytes of every parameter gradient, held from the start of each micro-batch after the first: the sum of the
+    stages' ``param_bytes`` (a shared parameter's counted once, by its owner)."""
+    return sum(stage.param_bytes for stage in chain.stages)
+
+
+def accumulating_chain(chain):
+    """``chain`` as a micro-batch after the first runs it, beside :func:`held_gradient_bytes` held all step.
+
+    A stage's backward makes the same gradients as in the first micro-batch (its measured ``bwd_tmp_bytes``
+    include them: the profiler makes them from None) and adds them into ``.grad``, which allocates nothing, then
+    frees them: ``param_bytes`` becomes 0 and ``bwd_tmp_bytes`` at least the moment they all exist
+    (:func:`planner.updates.backward_transient`), for the stage and each of its options. Its fingerprint differs
+    from ``chain``'s: a plan records ``accumulate`` and the chain's own fingerprint.
+    """
+    stages = []
+    for stage in chain.stages:
+        made = stage.param_bytes
+        options = tuple(dataclasses.replace(option, bwd_tmp_bytes=backward_transient(
+            option.bwd_tmp_bytes, made, option.own_saved_bytes, stage.out_bytes)) for option in stage.options)
+        stages.append(dataclasses.replace(
+            stage, param_bytes=0, options=options, held_bwd_tmp_bytes=None,
+            bwd_tmp_bytes=backward_transient(stage.bwd_tmp_bytes, made, stage.own_saved_bytes, stage.out_bytes)))
+    return dataclasses.replace(chain, stages=tuple(stages))
+
+
+def check_mixes(accumulate: int, *, update: str = "after", moves_data: bool = False, compile: bool = False,
+                pipeline: bool = False, sharded: bool = False, where: str = None) -> None:
+    """Refuse, in one line, what accumulating over ``accumulate`` micro-batches (more than 1) does not mix with: an
+    update inside the backward (it frees the gradients it updates with), transfers (offloading, weights on the
+    host), ``torch.compile`` (stages merged into one call make their gradients together), pipelines and
+    sharded (``--dp``) steps; ``where`` (a plan file) prefixes the message."""
+    if accumulate == 1:
+        return
+    other = next((name for name, given in (
+        (f"update {update!r} (it updates with each backward's gradients and frees them)", update != "after"),
+        ("offloading or weights on the host (transfers)", moves_data), ("--compile", compile),
+        ("a pipeline plan (its micro-batches are its own)", pipeline), ("a sharded step (--dp)", sharded))
+        if given), None)
+    if other is not None:
+        prefix = f"{where}: " if where else ""
+        raise MemschedError(f"{prefix}accumulating gradients over {accumulate} micro-batches runs eager chain plans, "
+                            "each stage's backward adding into .grad after the one before: it does not mix with "
+                            f"{other}; drop one of them")
