@@ -31,7 +31,6 @@ from solvers.partition import partition
 MAX_POINTS = 1000  # pareto budgets: each is three solves
 MAX_RUNS = 100_000  # profiling runs per stage, training steps
 MAX_COMPUTATIONS = 100  # moccasin's model grows with it; 2 or 3 is the usual
-MIN_THROUGHPUT, MAX_THROUGHPUT = 1e3, 1e21  # FLOP/s that --estimate may assume (a zettaflop is beyond any device)
 
 
 def main(argv=None) -> int:
@@ -94,13 +93,10 @@ def _check_numbers(args) -> None:
     for flag in _given(args, "--time-limit", "--progress-timeout", "--latency"):
         check = validate.non_negative_seconds if flag == "--latency" else validate.positive_seconds
         check(getattr(args, flag[2:].replace("-", "_")), flag)
-    throughput = getattr(args, "throughput", None)
-    if throughput is not None and not MIN_THROUGHPUT <= throughput <= MAX_THROUGHPUT:
-        raise MemschedError(f"--throughput must be a positive number of FLOP/s from {MIN_THROUGHPUT:g} to "
-                            f"{MAX_THROUGHPUT:g}, got {throughput}")
+    if getattr(args, "throughput", None) is not None:
+        validate.throughput(args.throughput, "--throughput")
     for flag in _given(args, "--lr", "--max-grad-norm"):
-        if not 0 < (value := getattr(args, flag[2:].replace("-", "_"))) < float("inf"):
-            raise MemschedError(f"{flag} must be a positive, finite number, got {value}")
+        validate.positive_number(getattr(args, flag[2:].replace("-", "_")), flag)
 
 
 def _add_channel_arguments(parser, purpose: str) -> None:
@@ -146,7 +142,6 @@ def _setup(args):
     """The :class:`planner.training_setup.TrainingSetup` the arguments give (default: adam, fp32, ZeRO 0, 1 rank)."""
     update = {} if args.update in ("after", "auto") else {"update": args.update}
     return TrainingSetup(**{flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}, **update)
-
 
 
 def _solved(args, chain, **options) -> tuple:
@@ -224,6 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train on this device (default: cpu)")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate of the Adam optimizer (default: 1e-3)")
     train.add_argument("--max-grad-norm", type=float, metavar="NORM", help="clip the gradients' global norm to NORM")
+    train.add_argument("--accumulate", type=_at_least(1, MAX_RUNS), default=1, metavar="K",
+                       help="add K micro-batches' gradients before each optimizer step, planned for (default: 1)")
     train.add_argument("--progress-timeout", type=float, metavar="SECONDS",
                        help="--plan pipeline.json, --dp: stop the run when no step has finished for this long (each "
                             "rank's setup milestones count as progress; default: 300)")
@@ -377,9 +374,10 @@ def _train(args) -> None:
         return
     if args.time_limit is not None:
         raise MemschedError("--time-limit is for graph solvers: give it with --graph")
-    if args.plan and (args.device_memory is not None or args.budget == "auto" or args.update != "after"):
-        raise MemschedError("--budget auto, --device-memory and --update are for solving: drop them with --plan "
-                            "(a plan records its update)")
+    if args.plan and (args.device_memory is not None or args.budget == "auto" or args.update != "after"
+                      or args.accumulate != 1):
+        raise MemschedError("--budget auto, --device-memory, --update and --accumulate are for solving: drop them "
+                            "with --plan (a plan records its update and its micro-batches)")
     if args.plan:
         plan = load_plan(args.plan)
         check_plan_schedules(plan, args.plan)
@@ -405,7 +403,7 @@ def _train(args) -> None:
         if note:
             print(note)
     if not args.plan:
-        plan, how = _solved(args, chain)
+        plan, how = _solved(args, chain, accumulate=args.accumulate)
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
     comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile,
                                   max_grad_norm=args.max_grad_norm)
@@ -424,7 +422,8 @@ def _train_sharded(args) -> None:
     from profiles.sharded_training import train_data_parallel
 
     unused = _given(args, "--plan", "--chain", "--offload-weights", "--max-grad-norm") + [flag for flag, given in (
-        ("--graph", args.graph), ("--compile", args.compile), ("--update", args.update != "after")) if given]
+        ("--graph", args.graph), ("--compile", args.compile), ("--update", args.update != "after"),
+        ("--accumulate", args.accumulate != 1)) if given]
     if unused or args.dp is None or not args.budget:
         raise MemschedError("train --dp N [--zero 1|2|3] --budget B profiles and solves one rank's step itself, "
                             "eagerly, updating after the backward: " + (f"drop {unused[0]}" if unused else
@@ -440,8 +439,9 @@ def _train_graph(args, model) -> None:
     from profiles.training import on_device, train_graph_plan
     from profiles.training import profiled_for_training as _profiled
 
-    if args.chain:
-        raise MemschedError("--chain is a chain profile; with --graph give a graph profile as --graph GRAPH.json")
+    if args.chain or args.accumulate != 1:
+        raise MemschedError(f"{'--chain' if args.chain else '--accumulate'} is for chain plans; with --graph give "
+                            "a graph profile as --graph GRAPH.json")
     _refuse_auto_for_graphs(args)
     if args.device != "cpu":
         model.stages, model.example_inputs = on_device(model.stages, model.example_inputs, args.device)

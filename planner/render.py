@@ -182,7 +182,11 @@ def transfer_lines(plan, result=None) -> list:
 
 
 def update_lines(plan) -> list:
-    """For a chain plan whose optimizer updates inside the backward: when, where, and over which channel."""
+    """For a chain plan whose optimizer updates inside the backward: when, where, and over which channel; for one
+    accumulating gradients over micro-batches, how many."""
+    if plan.accumulate > 1:
+        return [f"accumulate {plan.accumulate} micro-batches per optimizer step: the peak is each one's after the "
+                "first (every gradient held from its start), the time each micro-batch's"]
     if plan.update == "after":
         return []
     where = "" if plan.update != "on-host" or plan.host_stages is None else (
@@ -478,13 +482,15 @@ def training_table(plan, comparison) -> list:
     median time with its range, and :func:`time_comparison`."""
     predicted = plan.predicted
     measured, plain = comparison.planned, comparison.plain
+    step_time = predicted.time * plan.accumulate  # a step is each micro-batch's schedule in turn
     lines = [f"{'step':>4} {'loss':>9} {'measured peak':>15} {'predicted':>11} {'ratio':>6} {'budget':>6} "
              f"{'measured s':>11} {'predicted s':>11}"]
     for number, step in enumerate(measured, 1):
         lines.append(f"{number:4d} {step.loss:9.4f} {format_bytes(step.peak_bytes):>15} "
                      f"{format_bytes(predicted.peak_bytes):>11} "
                      f"{step.peak_bytes / predicted.peak_bytes:6.3f} {step.peak_bytes / plan.budget_bytes:6.3f} "
-                     f"{step.seconds:11.4f} {predicted.time:11.4f}")
+                     f"{step.seconds:11.4f} {step_time:11.4f}")
+    lines += micro_batch_lines(measured, comparison.predicted_micro_batches)
     peak = max(step.peak_bytes for step in measured)
     plain_peak = max(step.peak_bytes for step in plain)
     seconds, plain_seconds = [step.seconds for step in measured], [step.seconds for step in plain]
@@ -492,6 +498,18 @@ def training_table(plan, comparison) -> list:
     lines.append(f"with the plan:    peak {format_bytes(peak)} ({1 - peak / plain_peak:.1%} less memory, "
                  f"{peak / predicted.peak_bytes:.3f} of predicted), {_step_times(seconds)}")
     lines.append(f"time:             {time_comparison(seconds, plain_seconds, predicted.overhead)}")
+    return lines
+
+
+def micro_batch_lines(measured, predicted) -> list:
+    """Per step whose gradients accumulated over micro-batches (:class:`profiles.training.StepMeasure` s with
+    ``micro_batch_peaks``), each micro-batch's measured peak against its ``predicted`` one (bytes, in order)."""
+    lines = []
+    for number, step in enumerate(measured, 1):
+        if step.micro_batch_peaks:
+            lines.append(f"step {number} by micro-batch (measured/predicted peak): " + ", ".join(
+                f"{format_bytes(peak)}/{format_bytes(expected)} {peak / expected:.3f}"
+                for peak, expected in zip(step.micro_batch_peaks, predicted)))
     return lines
 
 

@@ -15,6 +15,7 @@ from planner.errors import MemschedError
 MAX_BYTES = 2**60  # 1 EiB: any one size, a budget, and the sum of a problem's sizes (so that sums fit in int64)
 MAX_SECONDS = 365 * 24 * 3600.0  # one year: any one duration, a time limit
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, float(2**60)  # bytes per second of a channel that exists
+MIN_THROUGHPUT, MAX_THROUGHPUT = 1e3, 1e21  # FLOP/s that an estimate may assume
 MAX_INDEX = 2**20  # stages of a chain, nodes of a graph (their indices in a schedule are below it)
 
 
@@ -98,6 +99,22 @@ def bandwidth(value, where: str, zero: str = None, other: str = None) -> float:
     hint = "; a channel that moves nothing is no channel: leave it out" if value == 0 and zero is None else ""
     raise MemschedError(f"{where} must be bytes per second from {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g}{also}, "
                         f"got {value}{hint}")
+
+
+def throughput(value, where: str) -> float:
+    """FLOP/s that an estimate may assume: :data:`MIN_THROUGHPUT` to :data:`MAX_THROUGHPUT` (a zettaflop is beyond
+    any device)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_THROUGHPUT <= value <= MAX_THROUGHPUT:
+        raise MemschedError(f"{where} must be a positive number of FLOP/s from {MIN_THROUGHPUT:g} to "
+                            f"{MAX_THROUGHPUT:g}, got {value}")
+    return float(value)
+
+
+def positive_number(value, where: str) -> float:
+    """A positive, finite number (a learning rate, a gradient norm)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise MemschedError(f"{where} must be a positive, finite number, got {value}")
+    return float(value)
 
 
 def count(value, where: str, minimum: int = 0, maximum: int = MAX_INDEX) -> int:

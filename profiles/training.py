@@ -7,7 +7,9 @@ so that a load on the machine that comes and goes slows both alike.
 Each measured window is one forward, loss and backward, opened with gradients
 set to ``None`` and the optimizer's state already created; ``optimizer.step()``
 runs after it (parameters and optimizer state are outside the budget), or inside
-it for a plan whose update is in the backward (planner/execute/updates.py). Peaks
+it for a plan whose update is in the backward (planner/execute/updates.py). A plan
+accumulating gradients over micro-batches (planner/accumulate.py) runs that many
+windows per step, each after the gradients the ones before it left (counted). Peaks
 are counted as the simulator counts them: the inputs plus everything the step
 allocates, by the live-memory tracker on CPU and by CUDA's allocator
 statistics on a GPU. Times are wall clock with synchronisation.
@@ -29,6 +31,7 @@ from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, sum
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from planner.execute.updates import state_tensors
+from planner.simulate import micro_batch_peaks
 from profiles.chain_profiler import profile_chain
 from profiles.graph_profiler import profile_graph
 from profiles.memory import memory_meter, storage_bytes
@@ -43,6 +46,7 @@ class StepMeasure:
     peak_bytes: int
     seconds: float
     loss: float
+    micro_batch_peaks: tuple = ()  # bytes, each micro-batch's peak when gradients accumulate over several
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Comparison:
     planned: list
     plain: list
     resident_bytes: int = 0  # the planned model's parameters and optimizer state on the device (Learner's)
+    predicted_micro_batches: tuple = ()  # bytes: each micro-batch's predicted peak when gradients accumulate
 
 
 def autograd_step(forward, loss_fn, inputs):
@@ -95,7 +100,8 @@ class Learner:
         return storage_bytes(list(self.parameters) + state_tensors(optimizers))
 
 
-def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: int, compiled: bool = False) -> list:
+def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: int, compiled: bool = False,
+                  accumulate: int = 1) -> list:
     """Run ``steps`` training steps of ``learner`` (:class:`Learner`), measuring each; ``step()`` runs forward,
     loss and backward, returns the loss.
 
@@ -103,25 +109,31 @@ def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: in
     graph's ``fixed_bytes`` for a graph) plus what the step allocates. On CPU each step runs twice: once under
     the live-memory tracker for its peak (``compiled`` code: torch.profiler's memory events, which see inside
     it), whose hooks would slow it, then once timed; the update uses the timed run's gradients (an update inside
-    the backward made by the tracked run is undone first). On CUDA one run gives both.
+    the backward made by the tracked run is undone first). On CUDA one run gives both. ``accumulate``: a step is
+    that many micro-batches whose gradients add up before the update, each measured in a window of its own with
+    the gradients the ones before it left counted (``micro_batch_peaks``); its peak is their largest, its seconds
+    theirs together, its loss their mean.
     """
     device = torch.device(device)
 
-    def fresh_step():
-        for parameter in learner.parameters:
+    def fresh_step(first: bool = True):
+        for parameter in learner.parameters if first else ():
             parameter.grad = None
         return float(step().detach())
 
     measures = []
     for _ in range(steps):
         saved = learner.updates.saved() if learner.updates is not None and device.type != "cuda" else None
-        with memory_meter(device, compiled) as meter:
-            start = meter.current
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                started = time.perf_counter()
-            loss = fresh_step()
-        peak = meter.peak - start
+        peaks, losses = [], []
+        for micro_batch in range(accumulate):
+            held = storage_bytes([p.grad for p in learner.parameters if p.grad is not None]) if micro_batch else 0
+            with memory_meter(device, compiled) as meter:
+                start = meter.current
+                if device.type == "cuda" and not micro_batch:
+                    torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                losses.append(fresh_step(not micro_batch))
+            peaks.append(meter.peak - start + held + resident_bytes)
         if device.type == "cuda":
             if learner.timed_update:
                 learner.update()
@@ -132,25 +144,26 @@ def measure_steps(step, learner: Learner, steps: int, device, resident_bytes: in
                 learner.updates.restore(saved)
                 del saved
             started = time.perf_counter()
-            loss = fresh_step()
+            losses = [fresh_step(not micro_batch) for micro_batch in range(accumulate)]
             if learner.timed_update:
                 learner.update()
             seconds = time.perf_counter() - started
-        measures.append(StepMeasure(peak_bytes=peak + resident_bytes, seconds=seconds, loss=loss))
+        measures.append(StepMeasure(peak_bytes=max(peaks), seconds=seconds, loss=sum(losses) / accumulate,
+                                    micro_batch_peaks=tuple(peaks) if accumulate > 1 else ()))
         if not learner.timed_update:
             learner.update()
     return measures
 
 
 def measure_alternately(planned_step, plain_step, planned: Learner, plain: Learner, steps: int, device,
-                        resident_bytes: int, compiled: bool = False) -> tuple:
+                        resident_bytes: int, compiled: bool = False, accumulate: int = 1) -> tuple:
     """``(planned, plain)``: ``steps`` measures of each (:class:`StepMeasure`), taken planned, plain, planned,
-    plain, ... each as :func:`measure_steps` takes one (its peak in a window of its own, then its time), each
-    followed by its update (the two :class:`Learner` s may be one)."""
+    plain, ... each as :func:`measure_steps` takes one (its peak in a window of its own, then its time; over
+    ``accumulate`` micro-batches), each followed by its update (the two :class:`Learner` s may be one)."""
     planned_measures, plain_measures = [], []
     for _ in range(steps):
-        planned_measures += measure_steps(planned_step, planned, 1, device, resident_bytes, compiled)
-        plain_measures += measure_steps(plain_step, plain, 1, device, resident_bytes, compiled)
+        planned_measures += measure_steps(planned_step, planned, 1, device, resident_bytes, compiled, accumulate)
+        plain_measures += measure_steps(plain_step, plain, 1, device, resident_bytes, compiled, accumulate)
     return planned_measures, plain_measures
 
 
@@ -168,7 +181,8 @@ def on_device(stages, inputs, device) -> tuple:
 
 def train_and_compare(planned_step, stages, inputs, steps: int, device, resident_bytes: int, *, loss_fn=None,
                       lr: float = 1e-3, compiled: bool = False, updates=None, reference=None,
-                      whole_step: bool = False, max_grad_norm: float = None) -> Comparison:
+                      whole_step: bool = False, max_grad_norm: float = None, accumulate: int = 1,
+                      predicted_micro_batches: tuple = ()) -> Comparison:
     """Train by ``planned_step`` (forward, loss and backward by a plan, returning the loss) and, for reference,
     by the unmodified ``stages`` (``(name, module)`` pairs) on ``inputs`` with ``loss_fn`` (default:
     :func:`planner.execute.stages.default_loss`), their steps alternating (:func:`measure_alternately`).
@@ -181,6 +195,8 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     :class:`planner.execute.updates.StageUpdates`): the planned step updates ``stages`` inside its backward; the
     reference then trains ``reference``, an untouched copy of them, with its own Adam, and both step times
     include the update (``whole_step``: also without ``updates``). ``max_grad_norm``: see :class:`Learner`.
+    ``accumulate``: both add that many micro-batches' gradients before each update (``predicted_micro_batches``:
+    each one's predicted peak, kept in the comparison).
     """
     def learner(parameters, **given):
         given.setdefault("max_grad_norm", max_grad_norm)
@@ -200,8 +216,9 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
     reference = [(name, torch.compile(module)) for name, module in reference] if compiled else reference
     plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
     planned_measures, plain_measures = measure_alternately(planned_step, plain_step, planned, plain, steps, device,
-                                                           resident_bytes, compiled)
-    return Comparison(planned=planned_measures, plain=plain_measures, resident_bytes=planned.resident_bytes())
+                                                           resident_bytes, compiled, accumulate)
+    return Comparison(planned=planned_measures, plain=plain_measures, resident_bytes=planned.resident_bytes(),
+                      predicted_micro_batches=tuple(predicted_micro_batches))
 
 
 def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1e-3,
@@ -210,14 +227,18 @@ def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1
     ``device`` (``model``: a staged model, its stages and inputs moved there; ``chain``: the plan's, or None),
     through ``torch.compile`` with ``compile``; a plan updating inside the backward runs Adam at ``lr`` there.
     ``whole_step``: the step times include the optimizer update whatever the plan's; ``max_grad_norm``: the
-    gradients clipped to that global norm (after the backward only)."""
+    gradients clipped to that global norm (after the backward only). A plan accumulating gradients over
+    micro-batches runs them per step, each micro-batch's peak measured against its own prediction (without
+    ``chain``, the plan's for all: the first's bound)."""
     stages, inputs = on_device(model.stages, model.example_inputs, device)
     reference = copy.deepcopy(stages) if plan.update != "after" else None
     planned = apply_plan(stages, plan, chain, compile=compile, optimizer="adam", lr=lr)
     step = autograd_step(planned, model.loss_fn or default_loss, inputs)
     return train_and_compare(step, stages, inputs, steps, device, input_bytes(inputs), loss_fn=model.loss_fn, lr=lr,
                              compiled=compile, updates=planned.updates, reference=reference, whole_step=whole_step,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, accumulate=plan.accumulate,
+                             predicted_micro_batches=(micro_batch_peaks(chain, plan) if chain is not None else
+                                                      (plan.predicted.peak_bytes,) * plan.accumulate))
 
 
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 from planner import render
+from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.errors import MemschedError
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
@@ -129,7 +130,11 @@ def solve_within(chain, budget: int, solver: str, how: str = None, **options):
     try:
         return solve(chain, budget, solver, **options)
     except MemschedError:
-        least = minimum_budget(updated_chain(chain, options.get("update", "after"))) if how else None
+        least = None
+        if how and options.get("accumulate", 1) > 1:  # every gradient held, beside the accumulating step's least
+            least = held_gradient_bytes(chain) + minimum_budget(accumulating_chain(chain))
+        elif how:
+            least = minimum_budget(updated_chain(chain, options.get("update", "after")))
         if least is not None and budget < least:
             raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
                                 f"{describe_bytes(least)} for chain {chain.name!r} ({how}): "
@@ -151,7 +156,8 @@ def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None,
     copy."""
     if update != "auto":
         trained = None if setup is None else dataclasses.replace(setup, update=update)
-        amount, how = chain_budget(chain, budget, device_memory, trained, options.get("host_stages"))
+        amount, how = chain_budget(chain, budget, device_memory, trained, options.get("host_stages"),
+                                   options.get("accumulate", 1))
         return solve_within(chain, amount, solver, how, update=update, **options), how
     if budget != "auto" or device_memory is None:
         raise MemschedError("--update auto compares whole steps, whose resident state differs by update: give "
@@ -184,12 +190,14 @@ def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None,
     return best[0], f"{best[1]}; update {best[0].update}, the fastest predicted ({said})"
 
 
-def chain_budget(chain, budget: str, device_memory: int = None, setup=None, host_stages=None) -> tuple:
+def chain_budget(chain, budget: str, device_memory: int = None, setup=None, host_stages=None,
+                 accumulate: int = 1) -> tuple:
     """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
-    peak, and None; for ``"auto"``, the activation budget that ``device_memory`` bytes leave under ``setup`` (a
+    peak (over ``accumulate`` micro-batches: :func:`solvers.store_all_peak`), and None; for ``"auto"``, the
+    activation budget that ``device_memory`` bytes leave under ``setup`` (a
     :class:`planner.training_setup.TrainingSetup`) and how, in words."""
     if budget != "auto":
-        return parse_budget(budget, store_all_peak(chain)), None
+        return parse_budget(budget, store_all_peak(chain, accumulate)), None
     if device_memory is None:
         raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
                             "(e.g. 80GiB)")

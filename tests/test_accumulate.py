@@ -26,9 +26,11 @@ from planner.plan import Plan, load_plan, save_plan
 from planner.shared import SharedParameter
 from planner.simulate import micro_batch_peaks, simulate
 from planner.simulate.chain import ChainSimulator
+from planner.training_setup import TrainingSetup, parameters_of
 from profiles.memory import storage_bytes
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak
+from solvers.budgets import solve_for_budget
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
 
@@ -91,6 +93,17 @@ def test_a_plan_records_accumulate_simulates_through_it_and_fits_its_budget(tmp_
     plain = solve(chain, budget, "rotor")  # today's plan: its JSON has no such field, and reads back as before
     assert "accumulate" not in plain.to_dict() and Plan.from_dict(plain.to_dict()).accumulate == 1
     assert micro_batch_peaks(chain, plain) == (plain.predicted.peak_bytes,)
+
+
+def test_a_budget_given_as_a_percentage_or_left_by_a_device_is_the_accumulating_steps():
+    chain = random_chain(8, seed=3, tmp=True, params=True)
+    plan, _ = solve_for_budget(chain, "80%", "rotor", accumulate=MICRO_BATCHES)
+    assert plan.budget_bytes == int(0.8 * store_all_peak(chain, MICRO_BATCHES)) > 0.8 * store_all_peak(chain)
+    least = held_gradient_bytes(chain) + minimum_budget(accumulating_chain(chain))
+    setup = TrainingSetup(optimizer="sgd")
+    device = least - 1 + setup.resident_bytes(parameters_of(chain))  # one byte short of the accumulating floor
+    with pytest.raises(MemschedError, match=f"--budget auto leaves .* below the minimum feasible .*{least} bytes"):
+        solve_for_budget(chain, "auto", "rotor", device, setup, accumulate=MICRO_BATCHES)
 
 
 def test_what_accumulation_does_not_mix_with_is_refused_in_one_line():
@@ -199,3 +212,34 @@ def test_an_accumulating_plan_runs_eagerly():
     with pytest.raises(MemschedError, match="does not mix with --compile"):
         apply_plan(stages, plan, compile=True)
     assert not apply_plan(stages, plan).continued  # each stage's backward on its own
+
+
+SMALL = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64,batch=4"
+
+
+def _run(capsys, *argv):
+    import cli
+
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(capsys):
+    status, out, err = _run(capsys, "train", SMALL, "--budget", "50%", "--steps", "1", "--accumulate", "4")
+    assert status == 0, err
+    assert "accumulate 4 micro-batches per optimizer step" in out
+    lines = [line for line in out.splitlines() if line.startswith("step 1 by micro-batch")]
+    assert len(lines) == 1
+    ratios = [float(part.split()[-1]) for part in lines[0].split(": ", 1)[1].split(", ")]
+    assert len(ratios) == 4 and all(abs(ratio - 1) <= 0.01 for ratio in ratios), lines
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--plan", "plan.json"], "--accumulate are for solving: drop them with --plan"),
+    (["--graph"], "--accumulate is for chain plans"),
+    (["--dp", "2"], "drop --accumulate"),
+])
+def test_train_refuses_accumulate_with_what_it_does_not_mix_with(capsys, extra, message):
+    status, out, err = _run(capsys, "train", SMALL, "--budget", "50%", "--accumulate", "2", *extra)
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1 and "measured peak" not in out
