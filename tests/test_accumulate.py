@@ -225,8 +225,11 @@ def _run(capsys, *argv):
     return status, out, err
 
 
-def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(capsys):
-    status, out, err = _run(capsys, "train", SMALL, "--budget", "60%", "--steps", "1", "--accumulate", "4")
+def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(capsys, tmp_path):
+    chain = str(tmp_path / "chain.json")  # profiled quickly, without stage options
+    assert _run(capsys, "profile", SMALL, "-o", chain, "--warmup", "0", "--repeats", "1", "--options", "0")[0] == 0
+    status, out, err = _run(capsys, "train", SMALL, "--chain", chain, "--budget", "60%", "--steps", "1",
+                            "--accumulate", "4")
     assert status == 0, err
     assert "accumulate 4 micro-batches per optimizer step" in out and "recomputed 0 forwards" not in out
     lines = [line for line in out.splitlines() if line.startswith("step 1 by micro-batch")]
