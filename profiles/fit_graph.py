@@ -46,8 +46,7 @@ def fit_graph(staged, budget, solver: str, options: dict, *, compile: bool, warm
     :data:`GRAPH_NODES`), ``time_limit`` (seconds, default :data:`GRAPH_TIME_LIMIT`) and the graph solver's
     parameters. ``run(a_0, *shared)`` returns the loss computed under the plan; its backward delivers the
     gradients."""
-    options = dict(options)
-    options.pop("optimizer", None), options.pop("lr", None)
+    options = {key: value for key, value in options.items() if key not in ("optimizer", "lr")}  # (for updates)
     if compile:
         raise MemschedError("fit(..., graph=True) runs the graph executor, not torch.compile: drop compile=True")
     if options.get("update", "after") != "after":
