@@ -19,13 +19,14 @@ from planner.simulate import micro_batch_peaks
 from planner.units import parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.discover import discover, returned_loss
+from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        accumulate: int = 1, **options) -> "FittedModel":
+        accumulate: int = 1, graph: bool = False, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -45,10 +46,18 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     optimizer.zero_grad()``; the plan is solved for the micro-batches after the first, which start with every
     gradient held (planner/accumulate.py), and ``.micro_batch_peaks`` predicts each one's peak (a percentage
     budget is then of that step's store-all peak).
+
+    A budget below the chain's least feasible one that the step's joint graph meets (a model whose blocks keep
+    several tensors live has few cuts) fails in one line naming ``graph=True``. With ``graph=True`` the joint
+    forward+backward graph is profiled (at most ``nodes=60`` nodes), solved by a graph solver (``solver``:
+    ``auto``, store-all when it fits else Checkmate's MILP then Moccasin, within ``time_limit=60`` seconds) and
+    run by the graph executor (profiles/fit_graph.py): the call runs the whole step and returns the loss, whose
+    ``backward()`` hands over the gradients; ``.chain`` is then the graph and ``.plan`` a graph plan, which counts
+    the parameters and buffers in its budget and peak (``.predicted`` leaves them out, as fit's budget does).
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate))
+                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph)
 
 
 @dataclasses.dataclass
@@ -59,6 +68,7 @@ class _Planned:
     chain: object
     plan: object
     run: torch.nn.Module
+    predicted: object = None  # the prediction on fit's footing when it is not the plan's (a graph plan's)
 
 
 class FittedModel(torch.nn.Module):
@@ -66,7 +76,7 @@ class FittedModel(torch.nn.Module):
     plan. Its parameters are the model's (``model`` is its submodule)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options):
+                 stage_options, compile, options, graph=False):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
         check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
@@ -74,7 +84,7 @@ class FittedModel(torch.nn.Module):
         self.model = model
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                              options=options)
+                              options=options, graph=graph)
         self.replan = replan
         self._plans = []
         self._current = self._planned(example_inputs)
@@ -85,11 +95,18 @@ class FittedModel(torch.nn.Module):
         discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
                              max_stages=s["max_stages"])
         staged = discovery.staged
+        if s["graph"]:
+            planned = _Planned(discovery, *fit_graph(staged, s["budget"], s["solver"], s["options"],
+                                                     compile=s["compile"], warmup=s["warmup"], repeats=s["repeats"]))
+            discovery.staged = dataclasses.replace(staged, example_inputs=None)
+            self._plans.append(planned)
+            return planned
         chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
                               repeats=s["repeats"], name=staged.name, options=s["stage_options"])
         options = dict(s["options"])
         budget = _budget_bytes(s["budget"], chain, options["accumulate"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
+        offer_graph(staged, chain, budget, s["solver"], options)
         plan = solvers.solve(chain, budget, s["solver"], **options)
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
@@ -106,18 +123,21 @@ class FittedModel(torch.nn.Module):
     @property
     def micro_batch_peaks(self) -> tuple:
         """Bytes: the predicted peak of each micro-batch of an optimizer step (one without ``accumulate``), the
-        first's from no gradient (:func:`planner.simulate.micro_batch_peaks`)."""
+        first's from no gradient (:func:`planner.simulate.micro_batch_peaks`; a graph plan's step is one)."""
+        if self._current.predicted is not None:  # a graph plan, on fit's footing
+            return (self._current.predicted.peak_bytes,)
         return micro_batch_peaks(self._current.chain, self._current.plan)
 
     @property
     def chain(self):
-        """The profiled chain (:class:`planner.chain.Chain`) the plan was solved for."""
+        """The profiled chain (:class:`planner.chain.Chain`) the plan was solved for (with ``graph=True``, the
+        :class:`planner.graph.Graph`)."""
         return self._current.chain
 
     @property
     def predicted(self):
         """The simulator's prediction for the plan: ``.peak_bytes`` and ``.time`` (seconds)."""
-        return self._current.plan.predicted
+        return self._current.predicted or self._current.plan.predicted
 
     @property
     def discovery(self):

@@ -48,6 +48,13 @@ class GraphExecutor:
 
     def step(self, *inputs) -> torch.Tensor:
         """One training step by the plan on ``inputs`` (default: the example inputs); returns the loss."""
+        loss, parameters, grads = self.gradients(*inputs)
+        accumulate_grads(parameters, grads)
+        return loss
+
+    def gradients(self, *inputs) -> tuple:
+        """:meth:`step` without writing ``.grad``: ``(loss, parameters, gradients)``, a gradient per parameter that
+        the step gives one (the caller accumulates them, as :func:`profiles.fit_graph` does in the backward)."""
         inputs = inputs or self.example_inputs
         if len(inputs) != len(self.example_inputs) or any(
                 not isinstance(t, torch.Tensor) or t.shape != e.shape or t.dtype != e.dtype
@@ -76,8 +83,7 @@ class GraphExecutor:
             parameters.append(parameter)
             grads.append(run.values[self.joint.group_of[node]][node])
         run.values.clear()
-        accumulate_grads(parameters, grads)
-        return loss
+        return loss, parameters, grads
 
 
 def check_same_graph(joint: JointGraph, graph: Graph) -> None:
