@@ -18,12 +18,13 @@ from planner.units import parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.discover import discover, returned_loss
 from profiles.options import DEFAULT_OPTIONS
+from profiles.precision import planned as planned_precision
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        **options) -> "FittedModel":
+        autocast=None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -39,10 +40,14 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     ``update="in-backward"`` (or ``"on-host"``, with a ``transfer`` channel: planner/updates.py) the backward
     also updates the parameters, by ``optimizer`` (sgd, momentum, adam, adamw) at ``lr``, freeing each stage's
     gradients as it goes: the loop is ``fitted(**batch).backward()``, without an optimizer of its own.
+    ``autocast``: the mixed precision the loop runs its forward under, ``with torch.autocast(device, dtype)``
+    (``torch.bfloat16``, ``torch.float16``; ``False``: none; default: the autocast state active at ``fit``): the
+    step is captured, profiled and planned in it, and a call under another state is refused in one line
+    (profiles/precision.py; docs/execution.md, "Mixed precision (autocast)").
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       options=dict(options, optimizer=optimizer, lr=lr))
+                       options=dict(options, optimizer=optimizer, lr=lr), autocast=autocast)
 
 
 @dataclasses.dataclass
@@ -60,10 +65,11 @@ class FittedModel(torch.nn.Module):
     plan. Its parameters are the model's (``model`` is its submodule)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options):
+                 stage_options, compile, options, autocast=None):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling
         self.model = model
+        self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                               options=options)
@@ -74,11 +80,13 @@ class FittedModel(torch.nn.Module):
     def _planned(self, example_inputs) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``."""
         s = self._settings
-        discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
-                             max_stages=s["max_stages"])
+        with self.precision.capturing():
+            discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
+                                 max_stages=s["max_stages"])
         staged = discovery.staged
-        chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
-                              repeats=s["repeats"], name=staged.name, options=s["stage_options"])
+        with self.precision.profiling():
+            chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
+                                  repeats=s["repeats"], name=staged.name, options=s["stage_options"])
         budget = _budget_bytes(s["budget"], chain)
         options = dict(s["options"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
@@ -117,6 +125,7 @@ class FittedModel(torch.nn.Module):
                             "the model and its batch first, then call fit")
 
     def forward(self, *args, **kwargs):
+        self.precision.check_call(type(self.model).__name__)
         try:
             inputs = self._current.discovery.chain_inputs(args, kwargs)
         except MemschedError:
