@@ -117,29 +117,34 @@ def test_a_call_under_another_autocast_state_is_refused_in_one_line(bf16_fits):
 
 
 def test_fp16_with_a_grad_scaler_trains_as_the_unmodified_model():
-    """``scaler.scale(loss).backward()`` runs the plan on the scaled loss; three steps of ``scaler.step`` /
-    ``update`` leave the parameters and the scale the unmodified model's with its own scaler, bit for bit."""
+    """``scaler.scale(loss).backward()`` runs the plan on the scaled loss: over three steps of ``scaler.step`` /
+    ``update``, the losses, the scaled gradients, the parameters and the scale equal the unmodified model's with
+    its own scaler, bit for bit."""
     from planner import fit
 
     model, batch, _ = MODELS["gpt2"]()
-    twin = copy.deepcopy(model)
+    twin, initial = copy.deepcopy(model), copy.deepcopy(model)
     fitted = fit(model, batch, "50%", autocast=torch.float16, **QUICK)
     assert fitted.plan.recomputed_forwards > 0
-    ours, theirs = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
+    runs = [(lambda: fitted(**batch), model, torch.optim.Adam(model.parameters(), lr=1e-2)),
+            (lambda: twin(**batch).loss, twin, torch.optim.Adam(twin.parameters(), lr=1e-2))]
     scalers = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     for step in range(3):
         losses = []
-        for forward, optimizer, scaler in ((lambda: fitted(**batch), ours, scalers[0]),
-                                           (lambda: twin(**batch).loss, theirs, scalers[1])):
+        for (forward, _, _), scaler in zip(runs, scalers):
             torch.manual_seed(step)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = forward()
             scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        assert losses[0].dtype == torch.float32 and torch.equal(*losses), (step, losses)
+        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, key)
+        for (_, _, optimizer), scaler in zip(runs, scalers):
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-            losses.append(loss.detach())
-        assert losses[0].dtype == torch.float32 and torch.equal(*losses), (step, losses)
         assert scalers[0].get_scale() == scalers[1].get_scale(), step
     for (key, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), key
+    assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)  # the scaler stepped (no overflow)
