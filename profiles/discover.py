@@ -22,6 +22,9 @@ through one tensor only:
    buffers the model writes (BatchNorm statistics) are listed on each stage that reads them, so that a
    recomputation does not update them twice (:func:`planner.execute.autograd.running_statistics_kept`).
 
+Under autocast, the captured step is taken down to ATen operations under it, so that autocast's casts are ops of
+the graph and the stages compute in its precision wherever they run (profiles/precision.py).
+
 What it cannot split fails in one line naming the reason: a forward ``torch.export`` cannot capture (its
 message), a loss that is not a scalar, several inputs that need gradients, a staged loss that differs from the
 model's. A model with no cut is one stage. Hugging Face models run with ``use_cache=False`` when their forward
@@ -42,6 +45,7 @@ from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, default_loss, preserved_state, run_stages
 from planner.measured_on import TensorSpec
 from profiles.cuts import Cut, leaf_name, merged, modules_of, prelude_module, shared_names, stage_module, stage_names
+from profiles.precision import with_autocast_casts
 
 VERIFY_SEED = 12345
 
@@ -230,6 +234,7 @@ def _export(step, tensors, name) -> torch.fx.GraphModule:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.export.export(step, tuple(tensors), strict=False)
+            program = with_autocast_casts(program, _device(tensors).type)  # autocast's casts as ops, when on
     except Exception as exc:  # noqa: BLE001 (every failure of the capture is reported in one line)
         raise MemschedError(f"{name}: stage discovery cannot capture the forward with torch.export: "
                             f"{type(exc).__name__}: {_one_line(exc)[:400]}") from None

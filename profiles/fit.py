@@ -21,12 +21,13 @@ from profiles.chain_profiler import profile_chain
 from profiles.discover import discover, returned_loss
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
+from profiles.precision import planned as planned_precision
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        accumulate: int = 1, graph: bool = False, **options) -> "FittedModel":
+        accumulate: int = 1, graph: bool = False, autocast=None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -54,10 +55,15 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     run by the graph executor (profiles/fit_graph.py): the call runs the whole step and returns the loss, whose
     ``backward()`` hands over the gradients; ``.chain`` is then the graph and ``.plan`` a graph plan, which counts
     the parameters and buffers in its budget and peak (``.predicted`` leaves them out, as fit's budget does).
+    ``autocast``: the mixed precision the loop runs its forward under, ``with torch.autocast(device, dtype)``
+    (``torch.bfloat16``, ``torch.float16``; ``False``: none; default: the autocast state active at ``fit``): the
+    step is captured, profiled and planned in it, and a call under another state is refused in one line
+    (profiles/precision.py; docs/execution.md, "Mixed precision (autocast)").
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph)
+                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph,
+                       autocast=autocast)
 
 
 @dataclasses.dataclass
@@ -76,12 +82,13 @@ class FittedModel(torch.nn.Module):
     plan. Its parameters are the model's (``model`` is its submodule)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options, graph=False):
+                 stage_options, compile, options, graph=False, autocast=None):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
         check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
                     compile=compile)
         self.model = model
+        self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                               options=options, graph=graph)
@@ -92,17 +99,21 @@ class FittedModel(torch.nn.Module):
     def _planned(self, example_inputs) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``."""
         s = self._settings
-        discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
-                             max_stages=s["max_stages"])
+        with self.precision.capturing():
+            discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
+                                 max_stages=s["max_stages"])
         staged = discovery.staged
         if s["graph"]:
-            planned = _Planned(discovery, *fit_graph(staged, s["budget"], s["solver"], s["options"],
-                                                     compile=s["compile"], warmup=s["warmup"], repeats=s["repeats"]))
+            with self.precision.profiling():
+                planned = _Planned(discovery, *fit_graph(staged, s["budget"], s["solver"], s["options"],
+                                                         compile=s["compile"], warmup=s["warmup"],
+                                                         repeats=s["repeats"]))
             discovery.staged = dataclasses.replace(staged, example_inputs=None)
             self._plans.append(planned)
             return planned
-        chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
-                              repeats=s["repeats"], name=staged.name, options=s["stage_options"])
+        with self.precision.profiling():
+            chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
+                                  repeats=s["repeats"], name=staged.name, options=s["stage_options"])
         options = dict(s["options"])
         budget = _budget_bytes(s["budget"], chain, options["accumulate"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
@@ -151,6 +162,7 @@ class FittedModel(torch.nn.Module):
                             "the model and its batch first, then call fit")
 
     def forward(self, *args, **kwargs):
+        self.precision.check_call(type(self.model).__name__)
         try:
             inputs = self._current.discovery.chain_inputs(args, kwargs)
         except MemschedError:

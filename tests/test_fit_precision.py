@@ -1,0 +1,150 @@
+"""``fit(..., autocast=...)`` (profiles/precision.py): a step planned, profiled and run under the autocast state the
+user trains with, on unmodified Hugging Face GPT-2 and Llama: the unmodified model's losses and gradients under
+the same autocast, bit for bit; the measured peak of the user's loop (forward under autocast, backward after it)
+within 1% of the prediction; fp16 with ``torch.amp.GradScaler``; a call under another autocast state refused in
+one line."""
+
+import copy
+
+import pytest
+import torch
+
+from discovery_models import MODELS
+from planner.errors import MemschedError
+from planner.execute.live_memory import LiveMemoryTracker
+
+pytest.importorskip("transformers")
+QUICK = dict(warmup=0, repeats=1, stage_options=0)  # the profiler's times do not matter here, its bytes do
+
+
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _fitted(name, budget, at_fit, **settings):
+    """``(model, twin, batch, fitted)``: a fresh model fitted for bf16 autocast, given as ``fit(...,
+    autocast=torch.bfloat16)`` (``at_fit`` False) or as the state active at ``fit`` (``at_fit`` True), and an
+    unmodified copy."""
+    from planner import fit
+
+    model, batch, _ = MODELS[name]()
+    twin = copy.deepcopy(model)
+    if at_fit:
+        with _bf16():
+            fitted = fit(model, batch, budget, **settings)
+    else:
+        fitted = fit(model, batch, budget, autocast=torch.bfloat16, **settings)
+    return model, twin, batch, fitted
+
+
+@pytest.fixture(scope="module")
+def bf16_fits():
+    """``{model name: _fitted(name, "50%", at_fit=False, **QUICK)}``, fitted on first use (the training test
+    steps them; the refusal test only calls one)."""
+    fits = {}
+
+    def fitted(name):
+        if name not in fits:
+            fits[name] = _fitted(name, "50%", False, **QUICK)
+        return fits[name]
+
+    return fitted
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_bf16_autocast_trains_with_the_unmodified_models_losses_and_gradients(bf16_fits, name):
+    """Three Adam steps: loss, every gradient and every parameter equal to the unmodified model's under the same
+    autocast, bit for bit (the casts are the model's own, made as ops of the stages; dropout drawn alike)."""
+    model, twin, batch, fitted = bf16_fits(name)
+    assert fitted.plan.recomputed_forwards > 0
+    ours, theirs = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        torch.manual_seed(step)
+        with _bf16():
+            loss = fitted(**batch)
+        loss.backward()
+        torch.manual_seed(step)
+        with _bf16():
+            expected = twin(**batch).loss
+        expected.backward()
+        assert torch.equal(loss.detach(), expected.detach()), (step, loss, expected)
+        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, key)
+        for optimizer in (ours, theirs):
+            optimizer.step()
+            optimizer.zero_grad()
+    for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), key
+
+
+def test_a_bf16_step_measures_its_prediction(threads):
+    """The user's loop, forward under the autocast active at ``fit`` and backward after it, peaks within 1% of the
+    prediction (autocast's cache of cast weights, 5-8% of it when the stages ran fp32 graphs under autocast,
+    stays empty: each cast is a value of the stage that makes it)."""
+    from profiles.memory import storage_bytes
+
+    model, _, batch, fitted = _fitted("gpt2", "45%", True, warmup=0, repeats=1, stage_options=2)
+    assert fitted.plan.recomputed_forwards > 0
+    with _bf16():
+        inputs = fitted.discovery.chain_inputs((), batch)  # the prelude's values, made before the window
+    with LiveMemoryTracker() as tracker:
+        with _bf16():
+            loss = fitted._current.run(*inputs)
+        loss.backward()
+        del loss
+    model.zero_grad(set_to_none=True)
+    measured = tracker.peak + storage_bytes(list(inputs))
+    assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
+
+
+def test_a_call_under_another_autocast_state_is_refused_in_one_line(bf16_fits):
+    from planner import fit
+
+    model, _, batch, fitted = bf16_fits("gpt2")
+    plain = fit(copy.deepcopy(model), batch, "80%", **QUICK)  # fitted without autocast: called under it, refused
+    with _bf16(), pytest.raises(MemschedError, match="called under bfloat16 autocast on cpu, but it was fitted "
+                                                     r"under no autocast.*fit\(\.\.\., autocast=\.\.\.\)"):
+        plain(**batch)  # not a "Tensor dtype mismatch" from inside the graph
+    assert str(fitted.precision) == "bfloat16 autocast on cpu"
+    for state, named in ((torch.autocast("cpu", enabled=False), "no autocast"),
+                         (torch.autocast("cpu", dtype=torch.float16), "float16 autocast on cpu")):
+        with state, pytest.raises(MemschedError, match=f"called under {named}, but it was fitted under bfloat16 "
+                                                       f"autocast on cpu") as error:
+            fitted(**batch)
+        assert "\n" not in str(error.value)
+    with pytest.raises(MemschedError, match="fit autocast must be torch.bfloat16, torch.float16"):
+        fit(model, batch, "80%", autocast=torch.float64)
+
+
+def test_fp16_with_a_grad_scaler_trains_as_the_unmodified_model():
+    """``scaler.scale(loss).backward()`` runs the plan on the scaled loss: over three steps of ``scaler.step`` /
+    ``update``, the losses, the scaled gradients, the parameters and the scale equal the unmodified model's with
+    its own scaler, bit for bit."""
+    from planner import fit
+
+    model, batch, _ = MODELS["gpt2"]()
+    twin, initial = copy.deepcopy(model), copy.deepcopy(model)
+    fitted = fit(model, batch, "50%", autocast=torch.float16, **QUICK)
+    assert fitted.plan.recomputed_forwards > 0
+    runs = [(lambda: fitted(**batch), model, torch.optim.Adam(model.parameters(), lr=1e-2)),
+            (lambda: twin(**batch).loss, twin, torch.optim.Adam(twin.parameters(), lr=1e-2))]
+    scalers = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for step in range(3):
+        losses = []
+        for (forward, _, _), scaler in zip(runs, scalers):
+            torch.manual_seed(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = forward()
+            scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        assert losses[0].dtype == torch.float32 and torch.equal(*losses), (step, losses)
+        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, key)
+        for (_, _, optimizer), scaler in zip(runs, scalers):
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), step
+    for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), key
+    assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)  # the scaler stepped (no overflow)
