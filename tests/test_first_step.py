@@ -4,11 +4,11 @@ A stage run with one of its options (planner/execute/selective.py) is prepared a
 exported by ``torch.export`` (on fake tensors), marked, and, compiled, its dispatch order learnt. That tracing
 ran inside the first step, where a memory tracker around the step counted the fake tensors' storages: a plan
 applied in a new process (``memsched train SPEC --chain --plan``, ``apply_plan`` in one's own script) measured
-1.56 of its predicted peak at step 1 on the mixer here, 1.000 from step 2. Each check below runs in a fresh
-Python process, which has prepared nothing, and measures its *first* step.
+2.012 of its predicted peak at step 1 on the mixer here, 1.000 from step 2. The first-step checks run in a fresh
+Python process, which has prepared nothing, and measure its *first* step.
 
 Candidate options were ranked by measured seconds, so two profiles of one model proposed different ones and
-the least budget moved (4.21 MB on one run, 4.27 MB on the next, for the residual-list model here); ranked by
+the least budget moved (1.48 MB on one run, 1.68 MB on the next, for the residual-list model here); ranked by
 counted work (profiles/options.py) they are the same on every run.
 """
 
@@ -192,7 +192,8 @@ def test_the_first_step_of_fit_in_a_fresh_process_peaks_at_its_prediction(mixer_
 
 def test_two_profiles_of_a_model_have_the_same_least_budget_and_sizes(tmp_path, capsys):
     """Profiled twice (the exported graphs let go in between), the residual-list model's chains have the same
-    sizes and least budget: 4.34 MB and 4.14 MB on two runs of the code before."""
+    sizes and least budget: 1.48 MB and 1.68 MB on two runs of the code before (4.34 MB and 4.14 MB profiled in two
+    fresh processes with 6 blocks and a batch of 256)."""
     import dataclasses
 
     from planner.chain import load_chain
