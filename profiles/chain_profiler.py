@@ -279,7 +279,7 @@ class _Runner:
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
         stage_input = _fresh_input(activation, needs_grad)
         try:
-            nodes = forward_nodes(module, (stage_input, *extra), self.throughput if self.fake else None)
+            nodes = forward_nodes(module, (stage_input, *extra))
         except MemschedError:
             raise
         except Exception:  # noqa: BLE001 (any export failure: the stage runs whole, as rotor runs it)

@@ -3,8 +3,10 @@
 :func:`candidate_recomputes` proposes which operations to recompute from the stage's graph as
 :func:`planner.execute.selective.forward_nodes` measures it: for every value autograd saves that may be
 recomputed, its *closure*, the operations back to values held anyway (saved ones, the stage's inputs and
-parameters), each closure scored by the saved bytes it frees less the bytes it must hold instead, per second
-of recomputation; then ``count`` prefixes of the best-first order, spread evenly over the bytes they free.
+parameters), each closure scored by the saved bytes it frees less the bytes it must hold instead, per unit of
+recomputation :func:`work`; then ``count`` prefixes of the best-first order, spread evenly over the bytes they
+free. The work is counted, not timed, so two profiles of one model propose the same candidates (ranked by
+measured seconds, they moved with the clock's noise, and the least budget with them: 7.4–9.2 MiB).
 The chain profiler measures each candidate as it measures a stage (run by
 :func:`planner.execute.selective.run_with_option`: memory from one run under the meter, seconds from separate
 runs) and :func:`pareto_front` keeps those that no other way of running the stage, the stage itself included,
@@ -17,6 +19,11 @@ import hashlib
 from planner.chain import Stage, StageOption
 
 DEFAULT_OPTIONS = 4  # candidates measured per distinct stage by `memsched profile` (0: none)
+# A nominal machine balance, FLOPs per byte of memory traffic (fp32 on a recent GPU: 67 TFLOP/s over
+# 3.35 TB/s is 20): it weighs a matrix product's arithmetic against an element-wise operation's traffic.
+# A machine's own measured figure would again move with its noise. Least budget (options) of a model whose
+# blocks keep a list of residuals: 4.93 MB at 1, 4.47 MB at 32, 4.34 MB counting bytes alone (timed: 4.21-4.27).
+FLOPS_PER_BYTE = 32
 
 
 def structure(nodes, module) -> str:
@@ -65,9 +72,8 @@ def candidate_recomputes(nodes, count: int) -> list:
         frontier = {d for p in closure for d in by_position[p].inputs if d not in closure}
         freed = sum(by_position[p].bytes for p in closure if by_position[p].saved)
         gain = freed - sum(holding(d) for d in frontier)
-        seconds = sum(by_position[p].seconds for p in closure)
         if gain > 0:
-            units.append((gain / max(seconds, 1e-12), freed, closure))
+            units.append((gain / sum(work(by_position[p]) for p in closure), freed, closure))
     units.sort(key=lambda unit: (-unit[0], min(unit[2])))
     prefixes, total, union = [], 0, set()
     for _, freed, closure in units:
@@ -84,6 +90,14 @@ def candidate_recomputes(nodes, count: int) -> list:
         if best not in chosen:
             chosen.append(best)
     return chosen
+
+
+def work(node) -> float:
+    """What recomputing ``node`` (a :class:`planner.execute.selective.ForwardNode`) costs, to rank candidates, in
+    bytes written: the bytes it writes plus its FLOPs over :data:`FLOPS_PER_BYTE` (an element-wise operation
+    costs its memory traffic, where FLOP counters count nothing; a view costs 1). Exact counts: the same on every
+    run. Each candidate's own seconds are measured when it is profiled."""
+    return node.bytes + node.flops / FLOPS_PER_BYTE + 1
 
 
 def pareto_front(stage: Stage, options) -> tuple:

@@ -8,8 +8,8 @@ block, one thread: 19 ms a step against 52 ms for the pieces and 17 ms for the c
 
 The policy is called once per ATen operation the traced forward dispatches (one graph operation such as
 ``linear`` dispatches several: ``t``, ``addmm``, ``view``), in order, without naming the graph node it belongs
-to; which node each call belongs to is learnt from one eager run of the same checkpointed graph node by node
-(:func:`_dispatches`), each traced operation placed in the node whose eager dispatches include it, from the
+to; which node each call belongs to is learnt from one run, on fake tensors, of the same checkpointed graph node
+by node (:func:`_dispatches`), each traced operation placed in the node whose eager dispatches include it, from the
 last one placed on (:class:`_Policy`: traced code spells a few operations otherwise, ``_unsafe_view`` as
 ``view``, a Hugging Face dropout as one ``native_dropout``). A dropped operation's dispatches are recomputed,
 except random ones (inductor draws its own numbers for a recomputed one; they are saved); everything else is
@@ -22,6 +22,8 @@ import types
 import warnings
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -112,7 +114,8 @@ def _decision(node, dropped) -> CheckpointPolicy:
 
 def _dispatches(graph_module, args) -> list:
     """``(spelling, node)`` of each ATen operation ``graph_module(*args)`` dispatches under a selective
-    checkpoint, in order; random state and gradients as they were."""
+    checkpoint, in order; run on fake copies of ``args`` (the parameters read as fake ones), so that it
+    allocates nothing in the step that makes the region; random state and gradients as they were."""
     seen, current = [], [None]
 
     class Attributed(torch.fx.Interpreter):
@@ -124,9 +127,11 @@ def _dispatches(graph_module, args) -> list:
         seen.append((_spelling(op), current[0]))
         return CheckpointPolicy.MUST_SAVE
 
-    flat = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-            for t in tree_flatten(list(args))[0]]
-    with torch.random.fork_rng(devices=rng_devices()), torch.enable_grad():
+    flat = tree_flatten(list(args))[0]
+    mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.random.fork_rng(devices=rng_devices()), torch.enable_grad(), mode:
+        flat = [mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                for t in flat]
         checkpoint(Attributed(graph_module).run, *flat, use_reentrant=False,
                    context_fn=functools.partial(create_selective_checkpoint_contexts, record))
     return seen

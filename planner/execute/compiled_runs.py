@@ -17,11 +17,14 @@ goes stage by stage, as without merging.
 import contextlib
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.execute.autograd import rng_devices, running_statistics_kept
 from planner.execute.compiled_option import own_code
 from planner.execute.fusion import merged_runs, merged_schedule
-from planner.execute.selective import compiled_region, run_with_option, stage_graph
+from planner.execute.selective import compiled_region, run_with_option, stage_graph, unobserved
 
 
 def merged_for_compile(pairs, schedule, recomputes) -> tuple:
@@ -62,8 +65,8 @@ class MergedStages(torch.nn.Module):
 
 class CompiledRun:
     """A :class:`MergedStages` through one ``torch.compile``; its stages with options become regions at the
-    first call with gradients (their graphs are taken on that call's inputs, one eager forward without
-    gradients, random state and running statistics kept)."""
+    first call with gradients (their graphs are taken on fake copies of that call's inputs, one forward without
+    gradients on fake tensors, random state and running statistics kept)."""
 
     def __init__(self, merged: MergedStages):
         self.merged = merged
@@ -87,11 +90,16 @@ class CompiledRun:
         return self.compiled(x, *extra)
 
     def _prepare(self, x, extra) -> None:
+        """The regions, from a forward without gradients on fake copies of ``x`` and ``extra`` (nothing allocated
+        in the step that prepares them), hidden from the caller's dispatch modes."""
         regions = []
         parts = zip(self.merged.parts, self.merged.recomputes, self.merged.names)
-        with torch.random.fork_rng(devices=rng_devices()), contextlib.ExitStack() as kept:
-            for module in self.merged.parts:
-                kept.enter_context(running_statistics_kept(module))
+        with unobserved(), torch.random.fork_rng(devices=rng_devices()), contextlib.ExitStack() as kept:
+            mode = detect_fake_mode(tree_flatten([x, extra])[0]) or FakeTensorMode(allow_non_fake_inputs=True)
+            x, extra = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (x, extra))
+            with mode:
+                for module in self.merged.parts:
+                    kept.enter_context(running_statistics_kept(module))
             for module, recompute, name in parts:
                 region = None
                 if recompute is not None:
@@ -101,7 +109,7 @@ class CompiledRun:
                         self.regions = []
                         return
                 regions.append(region)
-                with torch.no_grad():
+                with torch.no_grad(), mode:
                     x = module(x, *extra)
         self.regions = regions
 

@@ -18,13 +18,13 @@ output's. Rules, memory and traps: docs/execution.md ("Stage options").
 import contextlib
 import copy
 import operator
-import time
 import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.fx.node import map_arg
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from planner.execute.autograd import rng_devices, rng_state, set_rng_state
@@ -151,8 +151,9 @@ class ForwardNode:
     attributes left out: the stage's inputs and parameters, held anyway); ``recomputable`` (see
     :func:`recomputable`); ``bytes`` of the new storage its value is on (0: a view, or on the stage's output,
     which the chain holds anyway); ``saved``: autograd saves a tensor on that storage in the plain forward;
-    ``seconds`` it takes (measured, or FLOPs over a throughput); ``several``: its value is a tuple of tensors
-    (read by ``getitem`` nodes).
+    ``flops`` it does (``torch.utils.flop_counter``: matrix products, convolutions and attention; 0 for the
+    others); ``several``: its value is a tuple of tensors (read by ``getitem`` nodes). Counts, not a clock: the
+    options proposed from them are the same on every run (profiles/options.py).
     """
 
     position: int
@@ -161,40 +162,30 @@ class ForwardNode:
     recomputable: bool
     bytes: int
     saved: bool
-    seconds: float
+    flops: int
     several: bool = False
 
 
-def forward_nodes(module, args, throughput: float = None) -> list:
+def forward_nodes(module, args) -> list:
     """The :class:`ForwardNode` s of ``module(*args)``'s graph, from one forward with autograd run node by node
-    (seconds by a wall clock, synchronised on CUDA, or FLOPs / ``throughput`` when given: fake tensors). The
-    caller restores what the forward changes (running statistics, random state)."""
+    (real or fake tensors: the same nodes). The caller restores what the forward changes (running statistics,
+    random state)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     graph_module = stage_graph(module, args)
     positions = {node: k for k, node in enumerate(operations(graph_module))}
     found, saved, keys = [], set(), {}  # keys: node -> storage key of its value (views: their base's)
     flat = tree_flatten(list(args))[0]
-    device = next((t.device for t in flat if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
-    def synchronise():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    class _Timed(torch.fx.Interpreter):
+    class _Counted(torch.fx.Interpreter):
         def run_node(self, node):
             if node not in positions:
                 return super().run_node(node)
-            synchronise()
             with FlopCounterMode(display=False) as counter:
-                started = time.perf_counter()
                 value = super().run_node(node)
-                synchronise()
-                seconds = time.perf_counter() - started
             fresh = isinstance(value, torch.Tensor) and (node.target is operator.getitem or all(
                 r.alias_info is None for r in node.target._schema.returns))
-            found.append((node, value.untyped_storage() if fresh else None,
-                          counter.get_total_flops() / throughput if throughput else seconds))
+            found.append((node, value.untyped_storage() if fresh else None, counter.get_total_flops()))
             keys[node] = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
             return value
 
@@ -203,16 +194,16 @@ def forward_nodes(module, args, throughput: float = None) -> list:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = _Timed(graph_module).run(*flat)
+        output = _Counted(graph_module).run(*flat)
     output_keys = {t.untyped_storage()._cdata for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
     nodes = []
-    for node, storage, seconds in found:
+    for node, storage, flops in found:
         on_output = isinstance(node.meta.get("val"), torch.Tensor) and keys[node] in output_keys
         own = storage is not None and not on_output
         nodes.append(ForwardNode(positions[node], str(node.target), tuple(positions[d] for d in node.all_input_nodes
                                                                   if d in positions),
                                  recomputable(node) and not on_output, storage.nbytes() if own else 0,
-                                 own and storage._cdata in saved, seconds,
+                                 own and storage._cdata in saved, flops,
                                  isinstance(node.meta.get("val"), (tuple, list))))
     return nodes
 
@@ -241,16 +232,35 @@ def recomputation(module, recompute, *args):
 
 
 def _prepared(module, recompute, compiled: bool, args) -> "_Selective":
+    """The stage's option, made at its first call: the stage's graph exported (on fake tensors, inside
+    ``torch.export``) and marked, hidden from the caller's dispatch modes (:func:`unobserved`)."""
     prepared = _PREPARED.setdefault(module, {})
     key = tuple(recompute), compiled
     if key not in prepared:
-        graph_module = stage_graph(module, args)
-        nodes = operations(graph_module)
-        if recompute and max(recompute) >= len(nodes):
-            raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
-        region = compiled_region(graph_module, key[0], args, type(module).__name__) if compiled else None
-        prepared[key] = CompiledOption(region) if region is not None else _Selective(graph_module, key[0])
+        with unobserved():
+            prepared[key] = _preparation(module, key, args)
     return prepared[key]
+
+
+@contextlib.contextmanager
+def unobserved():
+    """The caller's dispatch modes (a memory tracker around the training step, a FLOP counter) set aside: what
+    runs inside is torch's tracing of a stage on fake tensors, which allocate nothing (their storages are on the
+    meta device), but a tracker counting every new storage would count them in the step that exports (the first
+    step peaked at 1.56 of its prediction on a mixer with options, then 1.000)."""
+    with _disable_current_modes():
+        yield
+
+
+def _preparation(module, key, args):
+    """What :func:`_prepared` keeps for ``key`` (recompute positions, compiled)."""
+    recompute, compiled = key
+    graph_module = stage_graph(module, args)
+    nodes = operations(graph_module)
+    if recompute and max(recompute) >= len(nodes):
+        raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
+    region = compiled_region(graph_module, recompute, args, type(module).__name__) if compiled else None
+    return CompiledOption(region) if region is not None else _Selective(graph_module, recompute)
 
 
 def compiled_region(graph_module, recompute, args, name: str):
