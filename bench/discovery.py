@@ -124,7 +124,7 @@ def run_model(name, build, steps, clock) -> dict:
             peaks[f"hf/{every}"], _ = peak(model, plain)
     inputs = storage_bytes(list(batch.values()))  # the chain counts the batch; the measured windows do not
     started = time.perf_counter()
-    fitted = fit(model, batch, peaks["hf/1"] + inputs)
+    fitted = fit(model, batch, peaks["hf/1"] + inputs, returns="loss")
     fit_seconds = time.perf_counter() - started
     chain, stages = fitted.chain, fitted.discovery.staged.stages
     planned = {"fit@hf/2": solve(chain, peaks["hf/2"] + inputs, "rotor"),

@@ -19,13 +19,18 @@ from planner.measured_on import TensorSpec
 _GUARDS = "_guards_fn"  # export's own check of its inputs' shapes: the fitted model checks its inputs itself
 
 
+class OutputNotReturned(MemschedError):
+    """The model's output cannot be handed back by the last stage (it lacks the loss, or holds a value no stage
+    makes): the call returns the loss alone."""
+
+
 @dataclass
 class Piece:
     """A run of the differentiable sequence between two cuts: a stage to be."""
 
     nodes: list  # differentiable call nodes, in order
     incoming: object  # the node whose value comes in (a_0's node for the first piece)
-    outgoing: object  # the node whose value goes out (the loss for the last)
+    outgoing: object  # the node whose value goes out (the loss for the last, or (loss, *returned nodes))
 
 
 class Cut:
@@ -39,7 +44,7 @@ class Cut:
             raise MemschedError(f"{name}: the captured graph takes {len(self.placeholders)} inputs, "
                                 f"the model {len(tensors)}")
         output = next(n for n in graph.nodes if n.op == "output")
-        self.loss = tree_flatten(output.args[0])[0][0]
+        self.loss, *self.returned = tree_flatten(output.args[0])[0]  # returned: output leaves the step hands back
         self.calls = [n for n in graph.nodes if n.op == "call_function" or (
             n.op == "call_module" and n.target != _GUARDS)]
         grad_inputs = [p for p, t in zip(self.placeholders, tensors) if t.requires_grad]
@@ -47,6 +52,9 @@ class Cut:
         if self.loss not in self.differentiable:
             raise MemschedError(f"{name}: the loss does not depend on any parameter that needs a gradient: "
                                 f"nothing to train")
+        if any(n not in self.differentiable for n in self.returned):
+            raise OutputNotReturned(f"{name}: the model's output holds a value computed from its inputs alone, which "
+                                    f"no stage makes: return the loss only (fit(..., returns='loss'))")
         self.sequence = [n for n in self.calls if n in self.differentiable]
         self.prelude_nodes = [n for n in self.calls if n not in self.differentiable]
         if len(grad_inputs) > 1:
@@ -101,7 +109,9 @@ class Cut:
             starts.setdefault(position.get(node, -1), []).append(node)
         live, cuts = set(), []
         live.update(starts.get(-1, []))
-        for i, node in enumerate(self.sequence[:-1]):
+        # a returned value is handed back by the last stage: no cut once what it is made from exists
+        limit = min((position.get(r, 0) for n in self.returned for r in n.all_input_nodes), default=end)
+        for i, node in enumerate(self.sequence[:min(end - 1, limit)]):
             live.update(starts.get(i, []))
             live = {v for v in live if last_use[v] > i}
             if len(live) == 1:
@@ -112,7 +122,8 @@ class Cut:
         for i, value in cuts:
             pieces.append(Piece(self.sequence[begin:i + 1], incoming, value))
             begin, incoming = i + 1, value
-        pieces.append(Piece(self.sequence[begin:], incoming, self.loss))
+        pieces.append(Piece(self.sequence[begin:], incoming, (self.loss, *self.returned) if self.returned
+                            else self.loss))
         if pieces[0].incoming is None:
             pieces[0].incoming = self._first_input(pieces[0])
         return pieces
@@ -304,7 +315,8 @@ def stage_module(graph_module, piece, shared, written) -> torch.fx.GraphModule:
     env[piece.incoming] = graph.placeholder("activation")
     for node in piece.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n] if n in env else _copied_attribute(graph, env, n))
-    graph.output(env[piece.outgoing])
+    outgoing = piece.outgoing
+    graph.output(tuple(env[n] for n in outgoing) if isinstance(outgoing, tuple) else env[outgoing])
     _activation_first(graph)
     module = torch.fx.GraphModule(graph_module, graph, class_name="DiscoveredStage")
     module.memsched_written_buffers = tuple(_owner(module, n.target) for n in graph.nodes

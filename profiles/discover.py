@@ -44,7 +44,17 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, default_loss, preserved_state, run_stages
 from planner.measured_on import TensorSpec
-from profiles.cuts import Cut, leaf_name, merged, modules_of, prelude_module, shared_names, stage_module, stage_names
+from profiles.cuts import (
+    Cut,
+    OutputNotReturned,
+    leaf_name,
+    merged,
+    modules_of,
+    prelude_module,
+    shared_names,
+    stage_module,
+    stage_names,
+)
 from profiles.precision import with_autocast_casts
 
 VERIFY_SEED = 12345
@@ -57,9 +67,12 @@ def model_loss(output):
     return default_loss(output) if loss is None else loss
 
 
-def returned_loss(loss):
-    """The loss of a discovered chain: its last stage returns the loss itself."""
-    return loss
+def returned_loss(output):
+    """The loss of a discovered chain: its last stage returns the loss itself, or ``(loss, *returned values)``."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+_LOSS, _TENSOR = object(), object()  # in an output layout: the loss's place, a returned tensor's place
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,21 @@ class Discovery:
     shared_names: tuple  # a name per shared value
     report: tuple  # a StageReport per stage
     defaults: dict  # keyword arguments discovery adds when a batch lacks them (use_cache=False)
+    output_layout: tuple = None  # with returns: (treespec of the model's output, per leaf _LOSS, _TENSOR or a value)
+    returned_bytes: int = 0  # bytes of the returned tensors' storages (the loss's left out)
+
+    @property
+    def keywords(self) -> tuple:
+        """The keyword arguments the plan was made for (discovery's defaults included)."""
+        return tuple(self.treespec.children_specs[1].context)
+
+    def output(self, stage_output):
+        """The model's output rebuilt from the last stage's ``(loss, *returned tensors)``: the same type and
+        values, with the loss where the model puts it (discovered with ``returns``)."""
+        spec, kinds = self.output_layout
+        returned = iter(stage_output[1:])
+        leaves = [stage_output[0] if kind is _LOSS else next(returned) if kind is _TENSOR else kind for kind in kinds]
+        return tree_unflatten(leaves, spec)
 
     def chain_inputs(self, args: tuple, kwargs: dict) -> tuple:
         """``(a_0, *shared)`` for a batch laid out as at discovery (else a one-line :class:`MemschedError`)."""
@@ -116,10 +144,12 @@ class Discovery:
 
 
 def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str = None,
-             max_stages: int = None) -> Discovery:
+             max_stages: int = None, returns: bool = False) -> Discovery:
     """``model`` (a plain module) and ``example_inputs`` (a tensor, a tuple of positional arguments, or a dict of
     keyword arguments) as a chain of stages, as the module docstring describes; ``loss_fn(output)`` (default
-    :func:`model_loss`) makes the scalar loss; at most ``max_stages`` stages when given."""
+    :func:`model_loss`) makes the scalar loss; at most ``max_stages`` stages when given. With ``returns`` the
+    model's output must hold the loss (``output.loss``), and the last stage returns ``(loss, *the output's other
+    tensors, detached)``, from which :meth:`Discovery.output` rebuilds the output."""
     name = name or type(model).__name__
     if not isinstance(model, torch.nn.Module):
         raise MemschedError(f"{name}: stage discovery takes an nn.Module, got {type(model).__name__}")
@@ -128,7 +158,7 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
     args, kwargs = _as_call(model, example_inputs, name)
     leaves, treespec = tree_flatten((args, kwargs))
     tensors = _tensor_leaves(leaves)
-    step = _Step(model, loss_fn or model_loss, treespec, leaves)
+    step = _Step(model, loss_fn or model_loss, treespec, leaves, returns)
     written, reference = _reference_run(step, tensors, name)
     graph_module = _export(step, tensors, name)
     cut = Cut(graph_module, tensors, written, name)
@@ -144,7 +174,8 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
     staged = StagedModel(name=name, stages=stages, example_inputs=tuple(prelude(*tensors)), loss_fn=returned_loss)
     discovery = Discovery(staged, prelude, treespec, tuple(_leaf_spec(leaf) for leaf in leaves),
                           shared_names(cut, shared, (args, kwargs)), tuple(reports),
-                          {key: value for key, value in kwargs.items() if key not in _as_dict(example_inputs)})
+                          {key: value for key, value in kwargs.items() if key not in _as_dict(example_inputs)},
+                          step.output_layout, _storage_bytes(cut.returned, cut.loss))
     _check_staged(discovery, tensors, reference, model)
     discovery.staged = dataclasses.replace(staged, report=tuple(discovery.describe()))
     return discovery
@@ -157,19 +188,30 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
 class _Step(torch.nn.Module):
     """``loss_fn(model(*args, **kwargs))`` from the tensors of the flat inputs (the other leaves fixed)."""
 
-    def __init__(self, model, loss_fn, treespec, leaves):
+    def __init__(self, model, loss_fn, treespec, leaves, returns=False):
         super().__init__()
         self.model = model
-        self.loss_fn, self.treespec = loss_fn, treespec
+        self.loss_fn, self.treespec, self.returns = loss_fn, treespec, returns
         self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.output_layout = None
 
     def forward(self, *tensors):
         leaves = list(self.leaves)
         for position, tensor in zip(self.positions, tensors):
             leaves[position] = tensor
         args, kwargs = tree_unflatten(leaves, self.treespec)
-        return self.loss_fn(self.model(*args, **kwargs))
+        output = self.model(*args, **kwargs)
+        loss = self.loss_fn(output)
+        if not self.returns:
+            return loss
+        flat, spec = tree_flatten(output)
+        if not any(leaf is loss for leaf in flat):
+            raise OutputNotReturned(f"{type(self.model).__name__}: the model's output does not hold the loss: return "
+                                    f"the loss only (fit(..., returns='loss'))")
+        self.output_layout = (spec, tuple(_LOSS if leaf is loss else _TENSOR if isinstance(leaf, torch.Tensor)
+                                          else leaf for leaf in flat))
+        return (loss, *[leaf.detach() for leaf in flat if isinstance(leaf, torch.Tensor) and leaf is not loss])
 
 
 def _as_call(model, example_inputs, name) -> tuple:
@@ -215,7 +257,9 @@ def _reference_run(step, tensors, name) -> tuple:
     versions = {key: (buffer._version, buffer.clone()) for key, buffer in buffers.items()}
     with _verifying(step, tensors):
         try:
-            loss = step(*tensors)
+            loss = returned_loss(step(*tensors))
+        except MemschedError:
+            raise
         except Exception as exc:  # the user's model: any failure is theirs to fix
             raise MemschedError(f"{name}: the model failed on its example inputs: {type(exc).__name__}: "
                                 f"{_one_line(exc)}") from None
@@ -251,7 +295,7 @@ def _check_staged(discovery, tensors, reference, model) -> None:
     if _fake(reference):  # an estimate (fake tensors) has no values to compare
         return
     with _verifying(model, tensors):
-        loss = run_stages(staged.stages, tuple(discovery.prelude(*tensors)))
+        loss = returned_loss(run_stages(staged.stages, tuple(discovery.prelude(*tensors))))
     if not torch.equal(loss.reshape(()), reference.reshape(())):
         raise MemschedError(f"{staged.name}: the discovered stages compute the loss {float(loss)!r} where the model "
                             f"computes {float(reference)!r}; give the stages by hand (a list of modules)")
@@ -264,6 +308,16 @@ def _verifying(module, tensors):
     with preserved_state([module], _device(tensors)), torch.no_grad():
         torch.manual_seed(VERIFY_SEED)
         yield
+
+
+def _storage_bytes(nodes, loss) -> int:
+    """Bytes of the storages of ``nodes``' captured values, each once, ``loss``'s left out."""
+    sizes = {}
+    for node in (loss, *nodes):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            sizes.setdefault(value.untyped_storage()._cdata, 0 if node is loss else value.untyped_storage().nbytes())
+    return sum(sizes.values())
 
 
 def _fake(tensor) -> bool:

@@ -2,12 +2,16 @@
 
 :func:`fit` discovers the model's stages (:mod:`profiles.discover`), profiles them on the example batch
 (:func:`profiles.chain_profiler.profile_chain`), solves for the budget (:func:`solvers.solve`) and returns a
-:class:`FittedModel`: called as the model is called, it returns the loss, computed under the plan (its
-backward then runs the plan's backward); ``.plan``, ``.chain`` and ``.predicted`` say what was planned. It is
-``loss = fitted(**batch); loss.backward(); optimizer.step()``, with ``fitted.parameters()`` the model's own.
+:class:`FittedModel`: called as the model is called, it returns what the model returns (a Hugging Face
+``ModelOutput`` with ``.loss`` and the logits), computed under the plan, the loss's backward the plan's backward;
+``.plan``, ``.chain`` and ``.predicted`` say what was planned. It is ``out = fitted(**batch);
+out.loss.backward(); optimizer.step()``, with ``fitted.parameters()`` and ``fitted.state_dict()`` the model's
+own; in eval mode or without gradients it is the model itself; Hugging Face's ``Trainer`` takes it as it is.
 """
 
 import dataclasses
+import functools
+import inspect
 
 import torch
 
@@ -18,7 +22,8 @@ from planner.execute.chain import apply_plan
 from planner.simulate import micro_batch_peaks
 from planner.units import parse_budget
 from profiles.chain_profiler import profile_chain
-from profiles.discover import discover, returned_loss
+from profiles.cuts import OutputNotReturned
+from profiles.discover import discover, model_loss, returned_loss
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
@@ -27,7 +32,7 @@ from profiles.precision import planned as planned_precision
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        accumulate: int = 1, graph: bool = False, autocast=None, **options) -> "FittedModel":
+        accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -59,11 +64,18 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     (``torch.bfloat16``, ``torch.float16``; ``False``: none; default: the autocast state active at ``fit``): the
     step is captured, profiled and planned in it, and a call under another state is refused in one line
     (profiles/precision.py; docs/execution.md, "Mixed precision (autocast)").
+
+    ``returns``: ``"output"``, what the model returns, which must hold the loss (``output.loss``; its other
+    tensors, the logits, come back detached, planned as held by the caller to the step's end:
+    :func:`held_by_caller`); ``"loss"``, the loss alone; ``"auto"`` (default), the output when it holds the loss
+    and the update runs after the backward, else the loss. In eval mode or without gradients the call runs the
+    model itself (its dropout and statistics as they are; nothing to plan). A call adding keyword arguments the
+    model takes to the planned ones (Trainer's ``num_items_in_batch``) is planned for once, at the first.
     """
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                        options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph,
-                       autocast=autocast)
+                       autocast=autocast, returns=returns)
 
 
 @dataclasses.dataclass
@@ -74,46 +86,51 @@ class _Planned:
     chain: object
     plan: object
     run: torch.nn.Module
+    modes: tuple  # the training flag of each of the model's modules when planned
     predicted: object = None  # the prediction on fit's footing when it is not the plan's (a graph plan's)
 
 
 class FittedModel(torch.nn.Module):
-    """The model of :func:`fit`: ``fitted(*args, **kwargs)`` is the loss of ``model(*args, **kwargs)`` under the
-    plan. Its parameters are the model's (``model`` is its submodule)."""
+    """The model of :func:`fit`: ``fitted(*args, **kwargs)`` is ``model(*args, **kwargs)`` under the plan (its
+    output, or its loss: :func:`fit`'s ``returns``). Its parameters, state dict and forward's signature are the
+    model's (``model`` is its submodule), and so is any attribute it lacks (``config``)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options, graph=False, autocast=None):
+                 stage_options, compile, options, graph=False, autocast=None, returns="auto"):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
         check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
                     compile=compile)
         self.model = model
         self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
+        self.returns = _returns(returns, options, graph)
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                               options=options, graph=graph)
         self.replan = replan
         self._plans = []
         self._current = self._planned(example_inputs)
+        # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
+        self.forward = functools.wraps(model.forward)(lambda *args, **kwargs: self._forward(*args, **kwargs))
 
     def _planned(self, example_inputs) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``."""
         s = self._settings
         with self.precision.capturing():
-            discovery = discover(self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
-                                 max_stages=s["max_stages"])
+            discovery = self._discover(example_inputs)
         staged = discovery.staged
         if s["graph"]:
             with self.precision.profiling():
-                planned = _Planned(discovery, *fit_graph(staged, s["budget"], s["solver"], s["options"],
-                                                         compile=s["compile"], warmup=s["warmup"],
-                                                         repeats=s["repeats"]))
+                graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
+                                                        compile=s["compile"], warmup=s["warmup"], repeats=s["repeats"])
+            planned = _Planned(discovery, graph, plan, run, _modes(self.model), predicted)
             discovery.staged = dataclasses.replace(staged, example_inputs=None)
             self._plans.append(planned)
             return planned
         with self.precision.profiling():
             chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
                                   repeats=s["repeats"], name=staged.name, options=s["stage_options"])
+        chain = held_by_caller(chain, discovery.returned_bytes)
         options = dict(s["options"])
         budget = _budget_bytes(s["budget"], chain, options["accumulate"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
@@ -122,9 +139,23 @@ class FittedModel(torch.nn.Module):
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
         run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
-        planned = _Planned(discovery, chain, plan, run)
+        planned = _Planned(discovery, chain, plan, run, _modes(self.model))
         self._plans.append(planned)
         return planned
+
+    def _discover(self, example_inputs):
+        """The model's stages on ``example_inputs``, the last returning what the call returns (``auto``: the
+        output when it holds the loss, from then on)."""
+        s = self._settings
+        call = functools.partial(discover, self.model, example_inputs, s["loss_fn"], name=type(self.model).__name__,
+                                 max_stages=s["max_stages"])
+        if self.returns != "auto":
+            return call(returns=self.returns == "output")
+        try:
+            discovery, self.returns = call(returns=True), "output"
+        except OutputNotReturned:
+            discovery, self.returns = call(), "loss"
+        return discovery
 
     @property
     def plan(self):
@@ -155,22 +186,87 @@ class FittedModel(torch.nn.Module):
         """The stages found (:class:`profiles.discover.Discovery`; ``describe()`` gives lines for people)."""
         return self._current.discovery
 
+    def __getattr__(self, name):
+        """What the fitted model lacks, the model's (``config``, ``loss_type``: what Trainer reads)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model" or "model" not in self._modules:
+                raise
+            return getattr(self._modules["model"], name)
+
     def _apply(self, fn, *args, **kwargs):
-        """``.to()``, ``.cuda()``, ``.half()`` and the like are refused: the plan was measured on the model as it
-        was (device, dtypes), and its stages hold the model's buffers as they were then."""
+        """``.cuda()``, ``.half()`` and the like are refused: the plan was measured on the model as it was
+        (device, dtypes), and its stages hold the model's buffers as they were then."""
         raise MemschedError("a fitted model is planned for the device and dtypes it was fitted on: move or cast "
                             "the model and its batch first, then call fit")
 
-    def forward(self, *args, **kwargs):
+    def to(self, *args, **kwargs):
+        """``self`` when it moves nothing (to the device and dtype the model has: Trainer's ``model.to(device)``),
+        else refused as :meth:`_apply` says."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        if all(_same_device(t.device, device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+               for t in tensors):
+            return self
+        return self._apply(None)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's state dict, with its own keys (an unmodified model loads it)."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The model's ``load_state_dict``, copying the values into the tensors the plan's stages hold;
+        ``assign=True``, which would put in tensors the stages do not hold, is refused in one line."""
+        if assign:
+            raise MemschedError("load_state_dict(assign=True) would swap in tensors the plan's stages do not hold: "
+                                "load without assign (it copies the values), or load into the model before fit")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def _forward(self, *args, **kwargs):
+        """``model(*args, **kwargs)`` under the plan (the output or the loss, as ``returns`` says); in eval mode or
+        without gradients, the model itself."""
+        if not torch.is_grad_enabled() or not self._training_as_planned():
+            output = self.model(*args, **kwargs)
+            return output if self.returns == "output" else (self._settings["loss_fn"] or model_loss)(output)
         self.precision.check_call(type(self.model).__name__)
+        planned = self._plan_for(args, kwargs)
+        output = planned.run(*planned.discovery.chain_inputs(args, kwargs))
+        return planned.discovery.output(output) if self.returns == "output" else output
+
+    def _training_as_planned(self) -> bool:
+        """True when the model's modules train as when planned, False when none trains (eval mode); a mix of
+        the two is refused in one line."""
+        modes, planned = _modes(self.model), self._current.modes
+        if modes == planned or not any(modes):
+            return modes == planned
+        names = [name or "the model" for name, _ in self.model.named_modules()]
+        changed, now = next((n, m) for n, m, p in zip(names, modes, planned) if m != p)
+        raise MemschedError(f"{changed} is in {'training' if now else 'eval'} mode, which the plan was not made "
+                            f"for: call fit once the modes are set, or evaluate in eval mode (fitted.eval())")
+
+    def _plan_for(self, args, kwargs) -> _Planned:
+        """The plan for this batch: the current one, a kept one or a new one (``replan``, or keyword arguments
+        the model takes added to the planned ones); else the mismatch in one line."""
         try:
-            inputs = self._current.discovery.chain_inputs(args, kwargs)
+            self._current.discovery.check_batch(args, kwargs)
         except MemschedError:
-            if not self.replan:
+            if not (self.replan or self._only_added_keywords(args, kwargs)):
                 raise
             self._current = self._matching(args, kwargs) or self._planned(_example(args, kwargs))
-            inputs = self._current.discovery.chain_inputs(args, kwargs)
-        return self._current.run(*inputs)
+        return self._current
+
+    def _only_added_keywords(self, args, kwargs) -> bool:
+        """Whether the batch is laid out as planned but for keyword arguments the model's forward takes."""
+        planned = self._current.discovery.keywords
+        added = [key for key in kwargs if key not in planned]
+        if not added or not all(_takes(self.model, key) for key in added):
+            return False
+        try:
+            self._current.discovery.check_batch(args, {k: v for k, v in kwargs.items() if k in planned})
+        except MemschedError:
+            return False
+        return True
 
     def _matching(self, args, kwargs):
         """The plan already made for inputs laid out as these, if any."""
@@ -181,6 +277,57 @@ class FittedModel(torch.nn.Module):
                 continue
             return planned
         return None
+
+
+def held_by_caller(chain, held: int):
+    """``chain`` with ``held`` bytes of its last stage's output (what the call returns beside the loss) held by the
+    caller to the step's end, in the chain model's terms: no gradient comes back for them (``out_bytes``, which
+    is ``δ_L``'s size, less ``held``), the loss does not release them (``own_saved_bytes`` gains those no
+    backward saved) and its backward leaves them (``param_bytes``, what a backward leaves to the step's end,
+    gains them all). The loss itself is taken to be saved by nothing (a scalar)."""
+    if not held:
+        return chain
+    last = chain.stages[-1]
+    loss_bytes = last.out_bytes - held
+    unsaved = max(0, last.saved_bytes - last.own_saved_bytes - loss_bytes)  # returned values no backward saved
+    options = tuple(dataclasses.replace(o, own_saved_bytes=o.own_saved_bytes + unsaved) for o in last.options)
+    stage = dataclasses.replace(last, out_bytes=loss_bytes, own_saved_bytes=last.own_saved_bytes + unsaved,
+                                param_bytes=last.param_bytes + held, options=options)
+    return dataclasses.replace(chain, stages=chain.stages[:-1] + (stage,))
+
+
+def _returns(returns, options, graph: bool) -> str:
+    """:func:`fit`'s ``returns`` checked: ``"auto"`` is ``"loss"`` when the update runs inside the backward, when
+    gradients accumulate over micro-batches, and on the graph path, which plan no output held by the caller."""
+    if returns not in ("auto", "output", "loss"):
+        raise MemschedError(f"fit returns: 'auto', 'output' or 'loss', not {returns!r}")
+    update, accumulate = options.get("update", "after"), options.get("accumulate", 1)
+    reason = (f"update={update!r} (a step that frees each stage's gradients)" if update != "after" else
+              f"accumulate={accumulate} (micro-batches after the first)" if accumulate != 1 else
+              "graph=True (the graph executor's step)" if graph else None)
+    if reason is None:
+        return returns
+    if returns == "output":
+        raise MemschedError(f"fit(..., {reason.split(' (')[0]}) returns the loss: {reason} is not planned with the "
+                            "logits held; pass returns='loss'")
+    return "loss"
+
+
+def _modes(model) -> tuple:
+    return tuple(module.training for module in model.modules())
+
+
+def _same_device(have, want) -> bool:
+    return want is None or have.type == want.type and (want.index is None or have.index == want.index)
+
+
+def _takes(model, key: str) -> bool:
+    """Whether ``model``'s forward takes the keyword argument ``key`` (by name, or as ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return key in parameters or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _example(args: tuple, kwargs: dict):

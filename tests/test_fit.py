@@ -30,7 +30,7 @@ def test_fit_trains_three_adam_steps_with_the_unmodified_models_losses(gpt2):
 
     model, batch = gpt2
     model, twin = copy.deepcopy(model), copy.deepcopy(model)
-    fitted = fit(model, batch, "40%")
+    fitted = fit(model, batch, "45%")  # the logits it returns are held to the step's end: 40% is below the least
     assert fitted.plan.recomputed_forwards > 0
     assert fitted.predicted.peak_bytes <= fitted.plan.budget_bytes
     assert len(fitted.chain.stages) == len(fitted.discovery.report) >= 3
@@ -38,7 +38,7 @@ def test_fit_trains_three_adam_steps_with_the_unmodified_models_losses(gpt2):
     ours, theirs = torch.optim.Adam(fitted.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
     for step in range(3):
         torch.manual_seed(step)
-        loss = fitted(**batch)
+        loss = fitted(**batch).loss  # the model's output, its loss's backward the plan's
         loss.backward()
         ours.step()
         ours.zero_grad()
@@ -82,7 +82,7 @@ def test_a_fitted_step_measures_its_prediction(gpt2, threads):
     from profiles.memory import storage_bytes
 
     model, batch = gpt2
-    fitted = fit(model, batch, "50%")
+    fitted = fit(model, batch, "50%", returns="loss")  # the loss alone (test_fit_loop.py holds the output)
     inputs = fitted.discovery.chain_inputs((), batch)  # the prelude's values, made before the window
     with LiveMemoryTracker() as tracker:
         fitted._current.run(*inputs).backward()
@@ -105,9 +105,9 @@ def test_a_batch_of_other_shapes_fails_in_one_line_or_is_planned_for(gpt2):
         fitted(input_ids=batch["input_ids"])
     replanning = fit(model, batch, "80%", replan=True)
     first = replanning.plan
-    replanning(**short).backward()
+    replanning(**short).loss.backward()
     assert replanning.plan is not first and replanning.chain.measured_on.inputs[0][1].shape == (4, 16)
-    replanning(**batch).backward()
+    replanning(**batch).loss.backward()
     assert replanning.plan is first  # the plan made for this layout, kept
     model.zero_grad(set_to_none=True)
 

@@ -224,11 +224,18 @@ class _Schedule(torch.autograd.Function):
         last = run.activation(len(planned.stages))
         leaves, run.output_spec = tree_flatten(last)
         outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves)
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        # an output the last stage made without a graph (a value it hands back, detached) gets no gradient
+        graph = run.graphs.get(len(planned.stages) - 1)
+        edges = graph.edges if graph is not None else [True] * len(tensors)
+        constant = [t for t, edge in zip(tensors, edges) if not t.is_floating_point() or edge is None]
+        del graph
         del last, leaves
         run.acts.pop(len(planned.stages), None)  # the loss holds what it needs of a_L; δ_L takes its place
         run.release(planned.loss_position)
         ctx.run = run
-        ctx.mark_non_differentiable(*[t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()])
+        ctx.set_materialize_grads(False)  # no zeros made for an output the loss does not read
+        ctx.mark_non_differentiable(*constant)
         return outputs
 
     @staticmethod
@@ -257,8 +264,11 @@ class _Capture(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *tensors):
         ctx.run = run
-        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.set_materialize_grads(False)
+        outputs = tuple(t.detach() for t in tensors)  # not views: a caller may scale the loss in place (Trainer)
+        ctx.mark_non_differentiable(*[o for t, o in zip(tensors, outputs) if not t.is_floating_point()
+                                      or not t.requires_grad])
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
