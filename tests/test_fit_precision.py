@@ -61,7 +61,7 @@ def test_bf16_autocast_trains_with_the_unmodified_models_losses_and_gradients(bf
     for step in range(3):
         torch.manual_seed(step)
         with _bf16():
-            loss = fitted(**batch)
+            loss = fitted(**batch).loss
         loss.backward()
         torch.manual_seed(step)
         with _bf16():
@@ -89,9 +89,9 @@ def test_a_bf16_step_measures_its_prediction(threads):
         inputs = fitted.discovery.chain_inputs((), batch)  # the prelude's values, made before the window
     with LiveMemoryTracker() as tracker:
         with _bf16():
-            loss = fitted._current.run(*inputs)
-        loss.backward()
-        del loss
+            output = fitted.discovery.output(fitted._current.run(*inputs))
+        output.loss.backward()  # the output held: its logits live to the end of the step
+        del output
     model.zero_grad(set_to_none=True)
     measured = tracker.peak + storage_bytes(list(inputs))
     assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
@@ -126,7 +126,7 @@ def test_fp16_with_a_grad_scaler_trains_as_the_unmodified_model():
     twin, initial = copy.deepcopy(model), copy.deepcopy(model)
     fitted = fit(model, batch, "50%", autocast=torch.float16, **QUICK)
     assert fitted.plan.recomputed_forwards > 0
-    runs = [(lambda: fitted(**batch), model, torch.optim.Adam(model.parameters(), lr=1e-2)),
+    runs = [(lambda: fitted(**batch).loss, model, torch.optim.Adam(model.parameters(), lr=1e-2)),
             (lambda: twin(**batch).loss, twin, torch.optim.Adam(twin.parameters(), lr=1e-2))]
     scalers = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     for step in range(3):
