@@ -160,7 +160,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             profiled.append(stage)
         if progress:
             progress(len(pairs), "loss")
-        last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra)
+        last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra, runner.ran)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
     label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
     if transfer is None and fake_mode is None:
@@ -207,10 +207,11 @@ class _Runner:
         self.fake = fake_mode is not None
         self.warmup, self.repeats = (0, 1) if self.fake else (warmup, repeats)  # FLOPs: the same on every run
         self.throughput = throughput
+        self.ran = set()  # the stages that ran once without failing (a later failure: not repeatable)
 
     def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
         """Profile one stage on ``activation``; return ``(Stage, its output detached)``."""
-        call = _guarded(k, stage_name, module, extra)
+        call = _guarded(k, stage_name, module, extra, self.ran)
         # Parameters and buffers (a causal mask) exist before the step: saving one allocates nothing.
         parameter_keys = {t.untyped_storage()._cdata for t in _module_parameters(module) + _module_buffers(module)}
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
@@ -302,7 +303,8 @@ class _Runner:
         measured 2 ms of a gpt-tiny block's 25). A rotor-style schedule runs each ``F_all`` once per ``B``, so
         the split between the two does not change a plan's time."""
         def call(stage_input):
-            return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra))
+            return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra),
+                                self.ran)
 
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
         with self._meter() as meter:
@@ -322,9 +324,10 @@ class _Runner:
             parameter.grad = None
         with torch.enable_grad():
             replay = _guarded_run(k, stage_name, lambda: recomputation(
-                module, recompute, _fresh_input(activation, needs_grad), *extra))
+                module, recompute, _fresh_input(activation, needs_grad), *extra), self.ran)
         extra_bwd = self._median(lambda: self._flops_or_time(replay))
-        extra = self._extra_step(_guarded(k, stage_name, module, extra), call, activation, needs_grad, module)
+        plain = _guarded(k, stage_name, module, extra, self.ran)
+        extra = self._extra_step(plain, call, activation, needs_grad, module)
         extra_fwd = max(0.0, extra - extra_bwd)
         saved = max(kept, out_bytes)
         return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
@@ -527,19 +530,29 @@ def _fresh_input(activation, needs_grad):
     return tree_map(fresh, activation)
 
 
-def _guarded(k, stage_name, module, extra):
-    return lambda stage_input: _guarded_run(k, stage_name, lambda: module(stage_input, *extra))
+def _guarded(k, stage_name, module, extra, ran):
+    return lambda stage_input: _guarded_run(k, stage_name, lambda: module(stage_input, *extra), ran)
 
 
-def _guarded_run(k, stage_name, run):
+def _guarded_run(k, stage_name, run, ran):
+    """``run()``, a failure of the user's stage told in one line: on its example input when the stage has not
+    run yet, else (``k`` in ``ran``, the stages that ran once) as a stage that cannot run again on the same input,
+    as recomputation runs it."""
     try:
-        return run()
+        value = run()
     except MemschedError:
         raise
     except Exception as exc:  # a user's stage failing is an expected error: name it
         message = " ".join(str(exc).split())
+        if k in ran:
+            raise MemschedError(
+                f"stage {k} ({stage_name}) ran once on its example input but failed when run again on the same "
+                f"input, as recomputation runs it: it is not repeatable (an in-place write to an input or to a "
+                f"value it shares with other stages?): {type(exc).__name__}: {message}") from None
         raise MemschedError(f"stage {k} ({stage_name}) failed on its example input: "
                             f"{type(exc).__name__}: {message}") from None
+    ran.add(k)
+    return value
 
 
 def _guarded_loss(run):

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_only
 
 from planner.errors import MemschedError
+from planner.execute.selective import written_arguments
 from planner.measured_on import TensorSpec
 
 _GUARDS = "_guards_fn"  # export's own check of its inputs' shapes: the fitted model checks its inputs itself
@@ -73,21 +74,31 @@ class Cut:
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     found.add(node)
         started = False
+        read, changed = set(), set()  # storages the differentiable nodes so far read, and wrote in place
         for node in self.calls:
             reads = node.all_input_nodes
-            if any(r in found for r in reads) or (started and self._in_order(node, written)):
+            if any(r in found for r in reads) or (started and self._in_order(node, written, read, changed)):
                 found.add(node)
                 started = True
+                read.update(_storage_key(r.meta.get("val")) for r in reads)
+                changed.update(_storage_key(w.meta.get("val")) for w in written_arguments(node))
+                read.discard(None), changed.discard(None)
         return found
 
-    def _in_order(self, node, written) -> bool:
-        """A random op, an op that writes its arguments, or one that reads a buffer the model writes."""
+    def _in_order(self, node, written, read, changed) -> bool:
+        """A random op, one that reads a buffer the model writes or a storage the sequence wrote in place
+        (``changed``), or an in-place write to a storage a differentiable node before it read (``read``; storage
+        keys). Another in-place write of prelude values (T5's ``relative_buckets += ...``, a label shift into
+        ``new_zeros``) stays in the prelude, run once per step: inside a stage, every re-run of the stage would
+        apply it again to the value the stages share."""
         target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            if torch.Tag.nondeterministic_seeded in target.tags:
-                return True
-            if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
-                return True
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            return True
+        keys = [_storage_key(w.meta.get("val")) for w in written_arguments(node)]
+        if any(key is None or key in read or key in changed for key in keys):
+            return True
+        if any(_storage_key(r.meta.get("val")) in changed for r in node.all_input_nodes):
+            return True
         return any(r.op == "get_attr" and r.target in written for r in node.all_input_nodes)
 
     def _shared(self) -> list:
@@ -318,10 +329,30 @@ def stage_module(graph_module, piece, shared, written) -> torch.fx.GraphModule:
     outgoing = piece.outgoing
     graph.output(tuple(env[n] for n in outgoing) if isinstance(outgoing, tuple) else env[outgoing])
     _activation_first(graph)
+    _private_copies(graph, {env[n]: n for n in [piece.incoming, *shared]}, {env[n]: n for n in piece.nodes})
     module = torch.fx.GraphModule(graph_module, graph, class_name="DiscoveredStage")
     module.memsched_written_buffers = tuple(_owner(module, n.target) for n in graph.nodes
                                            if n.op == "get_attr" and n.target in written)
     return module
+
+
+def _private_copies(graph, inputs: dict, copied: dict) -> None:
+    """An input the stage writes in place (``out.index_add_(...)`` into a ``zeros`` the prelude made, a ``+=`` on
+    the stage's input) replaced inside the stage by a copy it makes first: a re-run of the stage (a
+    recomputation, the profiler's runs) then writes a fresh copy, not again the value it was given. ``inputs``
+    and ``copied``: the stage's placeholders and operations -> the captured graph's nodes (their fake values)."""
+    keys = {_storage_key(written.meta.get("val")) for original in copied.values()
+            for written in written_arguments(original)}
+    keys.discard(None)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for placeholder, original in inputs.items():
+        if _storage_key(original.meta.get("val")) not in keys:
+            continue
+        with graph.inserting_after(last):
+            copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+        copy.meta = dict(original.meta)
+        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+        last = copy
 
 
 def _activation_first(graph) -> None:

@@ -9,7 +9,9 @@ through one tensor only:
    on an input that does. The others (position ids, causal and padding masks, rotary tables, shifted labels)
    form the *prelude*: run once before the chain, their values are the chain's shared inputs (``extra``: stage
    ``k`` is called ``stage_k(a_k, *shared)``). A random op or a buffer write after the first differentiable node
-   stays where it is, so that random numbers are drawn and statistics read in the model's order.
+   stays where it is, so that random numbers are drawn and statistics read in the model's order; an in-place
+   write of a prelude value stays in the prelude unless a stage read that storage before it, and a stage that
+   writes one of its inputs in place writes its own copy (a re-run must not apply a write twice).
 2. **Cuts.** After differentiable node ``i``, the differentiable values made at or before ``i`` and read after
    it are the live set; where it is one tensor, the graph may be cut (a cut vertex of the dataflow, shared
    values aside). Residual blocks are cut between blocks, not inside them.

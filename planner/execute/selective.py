@@ -11,8 +11,9 @@ dropped operations again, without autograd, from the values they read (held sinc
 and each recomputed value is let go after its last unpack. Only the dropped operations are recomputed: the
 backward itself is the plain one; a random operation is recomputed from the generator states it started from,
 so its numbers are the forward's. Which operations may be recomputed (:func:`recomputable`): none that writes
-in place or updates running statistics; the profiler drops only values on new storages other than the
-output's. Rules, memory and traps: docs/execution.md ("Stage options").
+in place or updates running statistics, and none whose value an in-place write fills or that reads a storage
+before an in-place write to it (:func:`replays_in_place_writes`: the write is not replayed); the profiler drops
+only values on new storages other than the output's. Rules, memory and traps: docs/execution.md ("Stage options").
 """
 
 import contextlib
@@ -27,6 +28,7 @@ from torch.fx.node import map_arg
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from planner.errors import MemschedError
 from planner.execute.autograd import rng_devices, rng_state, set_rng_state
 from planner.execute.compiled_option import CompiledOption, SelectiveRegion
 
@@ -139,6 +141,71 @@ def recomputable(node) -> bool:
     return "functional" in name or ("batch_norm" not in name and "instance_norm" not in name)
 
 
+def replays_in_place_writes(graph_module) -> set:
+    """The operations no option may recompute because of an in-place write the recomputation would not replay:
+    those whose value lives on a storage some operation writes in place (``buf = empty_like(x); buf[i] = v``,
+    ``out.index_add_(...)``: recomputed, the value would be the bare allocation), and those that read such a
+    storage before its last write (recomputed after it, they would read the written values: a sum taken before
+    ``w /= sum``). Storages are followed through views by the operations' alias annotations. A buffer of the
+    module is left to :func:`recomputable`'s rule: the functional normalisation reading its running statistics
+    recomputes only values its ``copy_`` writes, and no recomputation replays that ``copy_``."""
+    nodes = operations(graph_module)
+    base = {}  # node -> the node that made the storage its value lives on
+    last_write = {}  # that node -> the position of the last operation writing it in place
+    for position, node in enumerate(nodes):
+        base[node] = _storage_maker(node, base)
+        for written in written_arguments(node):
+            last_write[base.get(written, written)] = position
+    hazards = {node for node in nodes if base[node] in last_write}
+    for position, node in enumerate(nodes):
+        for read in node.all_input_nodes:
+            made = base.get(read, read)
+            if made.op != "get_attr" and last_write.get(made, -1) > position:
+                hazards.add(node)
+    for node in list(hazards):  # an item of a tuple: the operation making the tuple recomputes it
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            hazards.add(node.args[0])
+    return hazards
+
+
+def _storage_maker(node, base):
+    """The node whose new storage ``node``'s value lives on: itself, or for a view (an alias in its schema's
+    returns, an item of a tuple of views) the maker of the argument it views."""
+    if node.target is operator.getitem:
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and isinstance(source.target, torch._ops.OpOverload):
+            returns = source.target._schema.returns
+            item = returns[0] if len(returns) == 1 else returns[node.args[1]] if node.args[1] < len(returns) else None
+            if item is not None and item.alias_info is not None:
+                return base.get(source, source)
+        return node
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return node
+    schema = node.target._schema
+    sets = {a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+    for argument, value in zip(schema.arguments, _bound_arguments(node)):
+        if argument.alias_info is not None and sets & set(argument.alias_info.before_set) and isinstance(
+                value, torch.fx.Node):
+            return base.get(value, value)
+    return node
+
+
+def written_arguments(node) -> list:
+    """The nodes an operation writes in place (its schema's arguments marked ``Tensor(a!)``)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    values = _bound_arguments(node)
+    return [value for argument, value in zip(node.target._schema.arguments, values)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.fx.Node)]
+
+
+def _bound_arguments(node) -> list:
+    """The node's arguments in its schema's order (keyword ones by name; None where not given)."""
+    schema = node.target._schema
+    return [node.args[k] if k < len(node.args) else node.kwargs.get(argument.name)
+            for k, argument in enumerate(schema.arguments)]
+
+
 def _random(node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
@@ -174,6 +241,7 @@ def forward_nodes(module, args) -> list:
 
     graph_module = stage_graph(module, args)
     positions = {node: k for k, node in enumerate(operations(graph_module))}
+    hazards = replays_in_place_writes(graph_module)
     found, saved, keys = [], set(), {}  # keys: node -> storage key of its value (views: their base's)
     flat = tree_flatten(list(args))[0]
 
@@ -202,8 +270,8 @@ def forward_nodes(module, args) -> list:
         own = storage is not None and not on_output
         nodes.append(ForwardNode(positions[node], str(node.target), tuple(positions[d] for d in node.all_input_nodes
                                                                   if d in positions),
-                                 recomputable(node) and not on_output, storage.nbytes() if own else 0,
-                                 own and storage._cdata in saved, flops,
+                                 recomputable(node) and node not in hazards and not on_output,
+                                 storage.nbytes() if own else 0, own and storage._cdata in saved, flops,
                                  isinstance(node.meta.get("val"), (tuple, list))))
     return nodes
 
@@ -259,8 +327,19 @@ def _preparation(module, key, args):
     nodes = operations(graph_module)
     if recompute and max(recompute) >= len(nodes):
         raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
+    _check_replayable(graph_module, [nodes[p] for p in recompute], type(module).__name__)
     region = compiled_region(graph_module, recompute, args, type(module).__name__) if compiled else None
     return CompiledOption(region) if region is not None else _Selective(graph_module, recompute)
+
+
+def _check_replayable(graph_module, dropped, name: str) -> None:
+    """Refuse, in one line, an option dropping an operation that cannot be recomputed as the forward ran it."""
+    hazards = replays_in_place_writes(graph_module)
+    for node in dropped:
+        if not recomputable(node) or node in hazards:
+            raise MemschedError(f"{name}: a stage option recomputes {node.name} ({node.target}), which writes in "
+                                f"place or whose value an in-place write fills or changes after it: the "
+                                f"recomputation would not replay it; profile the chain again")
 
 
 def compiled_region(graph_module, recompute, args, name: str):
