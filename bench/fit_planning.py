@@ -1,12 +1,14 @@
 """How long ``fit`` takes to plan GPT-2 small on this CPU, phase by phase.
 
-    python bench/fit_planning.py [--layers N] [--budget B] [--cprofile FILE]
+    python bench/fit_planning.py [--layers N] [--budget B] [--threads N] [--compare] [--cprofile FILE]
 
 Builds Hugging Face ``GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
 n_positions=256))`` with random weights (nothing downloaded), a batch of 2 × 256 token ids with labels, and
 plans it as ``fit(model, batch, budget)`` does, timing each phase: ``discover`` (torch.export and the cut),
 ``stages`` (each stage measured), ``options`` (the stages' options measured), ``solve``; then ``fit`` itself,
-whole, at the budget. The load average is printed too (the machine is shared: the figures move with it).
+whole, at an infeasible budget. Seconds are wall clock and process CPU time; the load average is printed too
+(the machine is shared: wall clock moves with it; at ``--threads 1`` the CPU time is an idle core's wall clock).
+Figures in README.md ("Benchmarks").
 """
 
 import argparse
@@ -112,9 +114,12 @@ def main():
     parser.add_argument("--budget", default="80%", help="the budget planned for phase by phase (default 80%%)")
     parser.add_argument("--infeasible", default="50%", help="a budget below the least, given to fit whole")
     parser.add_argument("--cprofile", metavar="FILE", help="write cProfile statistics of the phases to FILE")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--compare", action="store_true",
                         help="then plan again with every stage measured on its own (identical ones too), as before")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, batch = gpt2_small(args.layers)
     print(f"GPT-2 small, {args.layers} layers, batch {BATCH} x {SEQUENCE}; torch threads "
           f"{torch.get_num_threads()}; load average before: {load()}", flush=True)
