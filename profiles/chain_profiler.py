@@ -160,11 +160,13 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             last_input, started = activation, time.perf_counter()
             key = stage_key(module, activation, extra, resident, k == 0) if share_identical else None
             same_as.append(k if key is None else measured.setdefault(key, k))
-            if same_as[k] < k:
-                stage, activation = runner.repeated(profiled[same_as[k]], k, stage_name, module, activation, extra,
-                                                    owned[k])
+            twin = same_as[k] < k and runner.repeated(profiled[same_as[k]], k, stage_name, module, activation, extra,
+                                                      owned[k])
+            if twin:
+                stage, activation = twin
                 say(f"stage {k} ({stage_name}) of {len(pairs)}: identical to stage {same_as[k]}, its figures shared")
             else:
+                same_as[k] = k
                 stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
                                                  input_bytes=storage_bytes(_tensors(activation)))
                 if options:
@@ -307,9 +309,11 @@ class _Runner:
     def repeated(self, measured, k, stage_name, module, activation, extra, owned) -> tuple:
         """Stage ``k``, identical to the ``measured`` one (:mod:`profiles.identical`): ``(its Stage, its output
         detached)``, the figures ``measured``'s but for its name and the bytes of the parameters it ``owned``; its
-        output from one run without autograd."""
+        output from one run without autograd; None when that output's bytes are not ``measured``'s."""
         with torch.no_grad():
             output = _guarded(k, stage_name, module, extra)(_fresh_input(activation, False))
+        if storage_bytes(_tensors(output)) != measured.out_bytes:
+            return None
         stage = dataclasses.replace(measured, name=stage_name, param_bytes=storage_bytes(list(owned)))
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 

@@ -10,8 +10,10 @@ layouts), and only when everything its forward may read is plain data: a module 
 callable, a config, an unregistered tensor), or with hooks, gets no key, and so does a stage that is no module.
 Both add the layouts of the stage's inputs (shape, strides, dtype, device, storage size and offset, whether
 they need gradients) and which of the tensors a stage sees share a storage, since the profiler counts a saved
-tensor on a storage it holds anyway as free. Values are not compared: a graph's shapes are static, so values
-change no size (times are measured once too: the blocks' own noise goes).
+tensor on a storage it holds anyway as free. Values are not compared: a graph whose sizes the capture left
+symbolic gets no key, and a shared stage whose output differs in size from its twin's is measured after all;
+but a module's own Python that sizes a temporary by value (routing tokens to experts) is not seen: profile
+such stages with ``share_identical=False``. Times are measured once too (the blocks' own noise goes).
 """
 
 import torch
@@ -92,7 +94,10 @@ def _graph_structure(module) -> tuple:
         text = repr(arguments)
         if " at 0x" in text:  # an object compared by identity: not comparable by value
             return None, []
-        rows.append((node.op, target, text, _value_layout(node.meta.get("val"))))
+        layout = _value_layout(node.meta.get("val"))
+        if layout is None:  # a size the capture left symbolic: it may depend on values
+            return None, []
+        rows.append((node.op, target, text, layout))
     return (module.training, tuple(rows)), attributes
 
 
@@ -104,10 +109,15 @@ class _Position(int):
 
 
 def _value_layout(value):
-    """The layout of a node's value as the capture recorded it (fake tensors: shapes, strides, dtypes)."""
+    """The layout of a node's value as the capture recorded it (fake tensors: shapes, strides, dtypes), or None
+    when a size or a number in it is symbolic."""
     leaves = tree_flatten(value)[0] if isinstance(value, (tuple, list)) else [value]
-    return tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
-                 for v in leaves)
+    layout = tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v
+                   for v in leaves)
+    numbers = tree_flatten(list(layout))[0]
+    if any(isinstance(n, (torch.SymInt, torch.SymFloat, torch.SymBool)) for n in numbers):
+        return None
+    return repr(layout)
 
 
 def _module_structure(module, inputs):

@@ -157,3 +157,26 @@ def test_options_come_in_the_order_the_check_asks_until_it_refuses():
         measure_options(chain, [0, 1, 1, 3], measure, check)
     assert measured == [3, 1]
     assert seen[0] == {0: (0,), 1: (1, 2), 3: (3,)} and seen[2] == {0: (0,)}
+
+
+class _Gate(torch.nn.Module):
+    """A stage whose output's size depends on its input's values: all its rows, or the first two."""
+
+    def __init__(self, bias: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.linear.bias.fill_(bias)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y if y.sum() > 0 else y[:2].clone()
+
+
+def test_a_twin_whose_output_is_sized_otherwise_is_measured(monkeypatch):
+    torch.manual_seed(3)
+    stages = [torch.nn.Linear(8, 8), _Gate(10.0), _Gate(-10.0)]  # alike but for the biases' values
+    measured, shared = counted(monkeypatch, "stage"), counted(monkeypatch, "repeated")
+    chain = profile_chain(stages, torch.randn(4, 8), **QUICK)
+    assert shared == [2] and measured == [0, 1, 2]
+    assert chain.stages[2].out_bytes == 2 * 8 * 4 != chain.stages[1].out_bytes
