@@ -96,7 +96,7 @@ class FittedModel(torch.nn.Module):
                               say=lambda line: say(f"  {line}"),
                               check=lambda so_far, pending: _refuse_early(so_far, pending, s, options, say, ordered))
         budget = _budget_bytes(s["budget"], chain)
-        say(f"{name}: profiled in {_since(started)} since discovery began; solving for {format_bytes(budget)}...")
+        say(f"{name}: discovered and profiled in {_since(started)}; solving for {format_bytes(budget)}...")
         solving = time.perf_counter()
         plan = solvers.solve(chain, budget, s["solver"], **options)
         say(f"{name}: planned in {_since(solving)} ({plan.solver}): predicted peak "
