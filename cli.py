@@ -346,10 +346,10 @@ def _profile(args) -> None:
     try:
         chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
                               warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
-                              throughput=args.throughput, progress=bar, transfer=channel, options=args.options)
-    except BaseException:  # an error or Ctrl-C mid-bar
+                              throughput=args.throughput, progress=bar, transfer=channel, options=args.options,
+                              say=bar.say)
+    finally:  # done, or an error or Ctrl-C mid-bar
         bar.end()
-        raise
     save_chain(chain, args.output)
     print("\n".join([*model.report] + render.chain_table(chain) + [f"chain written to {args.output}"]))
 

@@ -5,6 +5,7 @@ and durations seconds on input; the text shows both bytes and a binary-unit
 form (planner.units.format_bytes).
 """
 
+import shutil
 import statistics
 
 from planner.ops import FORWARD_OPS, TRANSFER_OPS
@@ -458,17 +459,22 @@ def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
 
 class ProgressLine:
     """A :func:`progress_bar` of ``total`` items redrawn in place on ``stream`` when it is a terminal or ``total`` is
-    over 20: call it with each finished item's index (from 0) and label (the last ends the line); :meth:`end` ends
-    a line that an error or Ctrl-C left open, so that the message has its own."""
+    over 20: call it with each item's index (from 0) and label as it starts; :meth:`say` redraws it with a line
+    for label (what has come of the work: ``profile_chain``'s ``say``); :meth:`end` ends its line (when done, or
+    when an error or Ctrl-C stopped it), so that what follows has its own."""
 
     def __init__(self, total: int, stream):
-        self.total, self.stream, self.open = total, stream, False
+        self.total, self.stream, self.open, self.done, self.drawn = total, stream, False, 0, 0
 
     def __call__(self, done: int, label: str) -> None:
+        self.done = done + 1
+        self.say(label)
+
+    def say(self, label: str) -> None:
         if self.stream.isatty() or self.total > 20:
-            end = "\n" if done + 1 == self.total else ""
-            print("\r" + progress_bar(done + 1, self.total, label), end=end, file=self.stream, flush=True)
-            self.open = not end
+            text = progress_bar(self.done, self.total, label)[:shutil.get_terminal_size().columns - 1]
+            print("\r" + text.ljust(self.drawn), end="", file=self.stream, flush=True)
+            self.open, self.drawn = True, len(text)
 
     def end(self) -> None:
         if self.open:

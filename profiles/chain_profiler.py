@@ -8,9 +8,9 @@ live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separat
 ``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (:func:`build_fake`):
 sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
-(``measured_on``), which the executors check. With ``options=N`` each distinct stage also gets its stage
-options (profiles/options.py), measured as it runs them (planner/execute/selective.py). What each field
-counts: docs/execution.md ("Chain profiler").
+(``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
+``options=N`` each distinct stage also gets its stage options (profiles/options.py), measured as it runs them
+(planner/execute/selective.py). What each field counts: docs/execution.md ("Chain profiler").
 """
 
 import contextlib
@@ -41,8 +41,9 @@ from planner.execute.stages import (
     preserved_state,
     quiet_fake_tensor_log,
 )
+from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
-from profiles.options import candidate_recomputes, pareto_front, structure
+from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -113,18 +114,24 @@ def _fake_tree(mode, tree):
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
-                  estimate=False, throughput=None, progress=None, transfer=None, options=0) -> Chain:
+                  estimate=False, throughput=None, progress=None, transfer=None, options=0, say=None,
+                  check=None, share_identical=True) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
     ``device`` moves stages and inputs there first; ``progress(k, stage_name)``
-    is called before each stage (k = L for the loss). The chain's copy channel
-    is ``transfer`` (a :class:`planner.transfer.Transfer`) when given, else the
-    one measured on CUDA (:mod:`profiles.transfer_profiler`), else none.
-    ``options`` candidates per distinct stage are measured as its options
-    (:mod:`profiles.options`; 0: none).
+    is called before each stage (k = L for the loss); ``say(line)``, when
+    given, is told each stage, the loss and the options as they are measured.
+    The chain's copy channel is ``transfer`` (a :class:`planner.transfer.Transfer`)
+    when given, else the one measured on CUDA (:mod:`profiles.transfer_profiler`),
+    else none. ``options`` candidates per distinct stage are measured as its
+    options (:mod:`profiles.options`; 0: none) after every stage and the loss,
+    as :func:`profiles.options.measure_options` says (``check``: see there);
+    till then each distinct stage's input is kept. A stage identical to an
+    earlier one (:func:`profiles.identical.stage_key`; none with
+    ``share_identical=False``) gets its figures and options, measured once.
     """
-    pairs = named_stages(stages)
+    pairs, say = named_stages(stages), say or (lambda line: None)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not inputs:
         raise MemschedError("example_inputs is empty: give the first stage's input")
@@ -145,28 +152,54 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             for parameter in _module_parameters(module):
                 parameter.grad = None
         resident = _tensors(inputs)
-        profiled, owned, known = [], _parameter_owners(modules), {}
+        profiled, owned, measured, same_as, kept_inputs = [], _parameter_owners(modules), {}, [], {}
         activation = first
         for k, (stage_name, module) in enumerate(pairs):
             if progress:
                 progress(k, stage_name)
-            last_input = activation
-            input_bytes = storage_bytes(_tensors(activation))
-            stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
-                                             input_bytes=input_bytes)
-            if options:
-                stage = runner.with_options(k, stage_name, module, stage, last_input, extra, options, known,
-                                            input_bytes)
+            last_input, started = activation, time.perf_counter()
+            key = stage_key(module, activation, extra, resident, k == 0) if share_identical else None
+            same_as.append(k if key is None else measured.setdefault(key, k))
+            twin = same_as[k] < k and runner.repeated(profiled[same_as[k]], k, stage_name, module, activation, extra,
+                                                      owned[k])
+            if twin:
+                stage, activation = twin
+                say(f"stage {k} ({stage_name}) of {len(pairs)}: identical to stage {same_as[k]}, its figures shared")
+            else:
+                same_as[k] = k
+                stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
+                                                 input_bytes=storage_bytes(_tensors(activation)))
+                if options:
+                    kept_inputs[k] = last_input
+                say(f"stage {k} ({stage_name}) of {len(pairs)}: measured in {_seconds(started)}")
             profiled.append(stage)
         if progress:
             progress(len(pairs), "loss")
+        started = time.perf_counter()
         last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra, runner.ran)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
-    label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
-    if transfer is None and fake_mode is None:
-        transfer = measure_transfer(device)
-    return Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
-                 transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs))
+        say(f"loss: measured in {_seconds(started)}")
+        label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
+        if transfer is None and fake_mode is None:
+            transfer = measure_transfer(device)
+        chain = Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
+                      transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs))
+        if options:
+            known = {}
+
+            def measured_options(k):  # stage k with its options, its input let go
+                stage_input = kept_inputs.pop(k)
+                return runner.with_options(k, *pairs[k], chain.stages[k], stage_input, extra, options, known,
+                                           storage_bytes(_tensors(stage_input)))
+
+            chain = measure_options(chain, same_as, measured_options, check, say)
+        elif check:
+            check(chain, {})
+    return chain
+
+
+def _seconds(started: float) -> str:
+    return f"{time.perf_counter() - started:.1f} s"
 
 
 def _tensors(tree) -> list:
@@ -273,6 +306,17 @@ class _Runner:
             held_bwd_tmp_bytes=max(0, backward_peak - input_bytes, held_peak - input_bytes) if saved_outputs else None,
         )
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, next_activation)
+
+    def repeated(self, measured, k, stage_name, module, activation, extra, owned) -> tuple:
+        """Stage ``k``, identical to the ``measured`` one (:mod:`profiles.identical`): ``(its Stage, its output
+        detached)``, the figures ``measured``'s but for its name and the bytes of the parameters it ``owned``; its
+        output from one run without autograd; None when that output's bytes are not ``measured``'s."""
+        with torch.no_grad():
+            output = _guarded(k, stage_name, module, extra)(_fresh_input(activation, False))
+        if storage_bytes(_tensors(output)) != measured.out_bytes:
+            return None
+        stage = dataclasses.replace(measured, name=stage_name, param_bytes=storage_bytes(list(owned)))
+        return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
     def with_options(self, k, stage_name, module, stage, activation, extra, count, known, input_bytes) -> Stage:
         """``stage`` with its options (profiles/options.py), measured here or taken from an identical stage in

@@ -12,6 +12,8 @@ own; in eval mode or without gradients it is the model itself; Hugging Face's ``
 import dataclasses
 import functools
 import inspect
+import sys
+import time
 
 import torch
 
@@ -20,19 +22,22 @@ from planner.accumulate import check_accumulate, check_mixes
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.simulate import micro_batch_peaks
-from planner.units import parse_budget
+from planner.units import format_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.cuts import OutputNotReturned
 from profiles.discover import discover, model_loss, returned_loss
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
+from solvers.minimum import least_budget_bound, minimum_budget
+from solvers.rotor import check_length
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
-        accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", **options) -> "FittedModel":
+        accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", progress=True,
+        **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -71,11 +76,17 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     and the update runs after the backward, else the loss. In eval mode or without gradients the call runs the
     model itself (its dropout and statistics as they are; nothing to plan). A call adding keyword arguments the
     model takes to the planned ones (Trainer's ``num_items_in_batch``) is planned for once, at the first.
+    ``progress``: planning tells what it does on stderr, a line at a time (stages discovered, each stage measured
+    or shared with an identical one, each stage's options, the solve); False: nothing; a callable: each line to it.
+    A budget is refused as soon as it is known to be too small: before the stages' options are measured when it
+    is below the least that any options could reach (``solvers.minimum.least_budget_bound``; not with
+    ``accumulate``, whose floor is the accumulating step's).
     """
+    say = progress if callable(progress) else _on_stderr if progress else (lambda line: None)
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                        options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph,
-                       autocast=autocast, returns=returns)
+                       autocast=autocast, returns=returns, say=say)
 
 
 @dataclasses.dataclass
@@ -96,7 +107,7 @@ class FittedModel(torch.nn.Module):
     model's (``model`` is its submodule), and so is any attribute it lacks (``config``)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options, graph=False, autocast=None, returns="auto"):
+                 stage_options, compile, options, say, graph=False, autocast=None, returns="auto"):
         super().__init__()
         _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
         check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
@@ -107,6 +118,7 @@ class FittedModel(torch.nn.Module):
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                               options=options, graph=graph)
+        self._say = say
         self.replan = replan
         self._plans = []
         self._current = self._planned(example_inputs)
@@ -115,10 +127,13 @@ class FittedModel(torch.nn.Module):
 
     def _planned(self, example_inputs) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``."""
-        s = self._settings
+        s, say, started = self._settings, self._say, time.perf_counter()
+        name = type(self.model).__name__
+        say(f"fit: discovering {name}'s stages...")
         with self.precision.capturing():
             discovery = self._discover(example_inputs)
         staged = discovery.staged
+        say(f"{name}: {len(staged.stages)} stages discovered in {_since(started)}; profiling them...")
         if s["graph"]:
             with self.precision.profiling():
                 graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
@@ -127,15 +142,25 @@ class FittedModel(torch.nn.Module):
             discovery.staged = dataclasses.replace(staged, example_inputs=None)
             self._plans.append(planned)
             return planned
+        options = dict(s["options"])
+        optimizer, lr, ordered = options.pop("optimizer"), options.pop("lr"), []
+        held = discovery.returned_bytes  # what the call returns beside the loss, held by the caller
+
+        def check(so_far, pending):  # the budget against the floor as soon as it is known
+            return _refuse_early(staged, held_by_caller(so_far, held), pending, s, options, say, ordered)
+
         with self.precision.profiling():
             chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
-                                  repeats=s["repeats"], name=staged.name, options=s["stage_options"])
-        chain = held_by_caller(chain, discovery.returned_bytes)
-        options = dict(s["options"])
+                                  repeats=s["repeats"], name=staged.name, options=s["stage_options"],
+                                  say=lambda line: say(f"  {line}"), check=check)
+        chain = held_by_caller(chain, held)
         budget = _budget_bytes(s["budget"], chain, options["accumulate"])
-        optimizer, lr = options.pop("optimizer"), options.pop("lr")
         offer_graph(staged, chain, budget, s["solver"], options)
+        say(f"{name}: discovered and profiled in {_since(started)}; solving for {format_bytes(budget)}...")
+        solving = time.perf_counter()
         plan = solvers.solve(chain, budget, s["solver"], **options)
+        say(f"{name}: planned in {_since(solving)} ({plan.solver}): predicted peak "
+            f"{format_bytes(plan.predicted.peak_bytes)}, {plan.predicted.overhead:.1%} slower than storing everything")
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
         run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
@@ -335,6 +360,50 @@ def _example(args: tuple, kwargs: dict):
     if args and kwargs:
         raise MemschedError("fit(..., replan=True) plans again for positional or keyword inputs, not both at once")
     return kwargs or args
+
+
+def _on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _since(started: float) -> str:
+    return f"{time.perf_counter() - started:.1f} s"
+
+
+def _refuse_early(staged, chain, pending: dict, settings: dict, options: dict, say, ordered: list):
+    """Refuse the budget, as :func:`solvers.solve` would once every option is measured, as soon as it lies below
+    the least feasible budget of ``chain`` whatever options the ``pending`` stages get (``check`` of
+    :func:`profiles.options.measure_options`): exactly that least when the solver uses no options, else
+    :func:`least_budget_bound`. Then, once (into ``ordered``), the pending stages in the order to measure them:
+    those whose options could lower that least the most first. Only for the recomputation solvers on the chain as
+    measured: the offload solvers, weights on the host, updates in the backward and accumulation have floors of their
+    own. A budget below it that the step's joint graph may meet is refused naming ``graph=True`` (:func:`offer_graph`
+    on the discovered ``staged`` model)."""
+    solver = settings["solver"]
+    if solver not in ("auto", "rotor", "hierarchical") or options.get("weights") is not None or \
+            options.get("update", "after") != "after" or options.get("accumulate", 1) != 1:
+        return None
+    budget, store_all = _budget_bytes(settings["budget"], chain), solvers.store_all_peak(chain)
+    check_length(chain)
+    uses_options = settings["stage_options"] and solver != "rotor"
+    to_come = [j for stages in pending.values() for j in stages] if uses_options else []
+    least, most = least_budget_bound(chain, to_come), minimum_budget(chain, options=True)
+    share = f"{least / store_all:.1%} of the store-all peak"
+    if budget < least:
+        where = f"{format_bytes(least)} ({least} bytes, {share})" if least == most else (
+            f"at least {format_bytes(least)} ({share}) whatever options {len(to_come)} of its stages get, and at most "
+            f"{format_bytes(most)} ({most / store_all:.1%})")
+        offer_graph(staged, chain, budget, solver, options, least)
+        raise MemschedError(f"fit budget {settings['budget']!r}: {format_bytes(budget)} ({budget} bytes) is below "
+                            f"the least feasible budget for {chain.name}, {where}; raise the budget")
+    say(f"{chain.name}: store-all peak {format_bytes(store_all)}; least feasible budget "
+        + (f"between {format_bytes(least)} and {format_bytes(most)} ({len(pending)} stages' options to come)"
+           if to_come else format_bytes(most)))
+    if not to_come or budget >= most or ordered:
+        return None
+    ordered += sorted(pending, key=lambda k: -least_budget_bound(chain, [j for stages in pending.values()
+                                                                         if stages[0] != k for j in stages]))
+    return ordered
 
 
 def _budget_bytes(budget, chain, accumulate: int = 1):

@@ -108,19 +108,21 @@ class _Delivered(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def offer_graph(staged, chain, budget: int, solver: str, options: dict) -> None:
+def offer_graph(staged, chain, budget: int, solver: str, options: dict, least: int = None) -> None:
     """Raise a one-line :class:`MemschedError` naming ``fit(..., graph=True)`` when ``budget`` (bytes) is below
     the chain's least feasible one and the joint graph of the step meets it, or may (its least not proven
     within :data:`HINT_TIME_LIMIT`, its lower bound within the budget); otherwise (a step the graph capture cannot
     take too) return, and the chain solver says what it says. Offloading (its solvers, host weights) and updates
-    in the backward are left to it."""
+    in the backward are left to it. ``least``: the chain's least feasible budget (bytes) or, while some stages'
+    options are not measured yet, a lower bound of it (default: the chain's least as measured)."""
     if solver in solvers.OFFLOAD_SOLVERS or options.get("weights") is not None or \
             options.get("update", "after") != "after" or options.get("accumulate", 1) != 1 or \
             budget >= solvers.store_all_peak(chain):
         return
     if solver in ("auto", "rotor", "hierarchical"):
         check_length(chain)
-    least = minimum_budget(chain, options=solver in ("auto", "hierarchical"))
+    if least is None:
+        least = minimum_budget(chain, options=solver in ("auto", "hierarchical"))
     inputs = staged.example_inputs
     if budget >= least or budget < storage_bytes(list(inputs)):
         return

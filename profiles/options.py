@@ -14,7 +14,9 @@ matches or beats on every count. Identical blocks (same :func:`structure`) are m
 docs/execution.md, "Stage options".
 """
 
+import dataclasses
 import hashlib
+import time
 
 from planner.chain import Stage, StageOption
 
@@ -122,3 +124,30 @@ def pareto_front(stage: Stage, options) -> tuple:
 
     kept = [option for k, option in enumerate(options) if not dropped(k, option)]
     return tuple(sorted(kept, key=lambda option: (-option.saved_bytes, option.recompute)))
+
+
+def measure_options(chain, same_as: list, measured, check=None, say=None):
+    """``chain`` (profiled without options) with its stages' options: ``measured(k)`` is distinct stage ``k``
+    with its options, and stage ``j`` gets those of stage ``same_as[j]`` (an identical one, or itself).
+
+    ``check(chain, pending)``, when given, is called first and after each distinct stage's options, with the
+    chain so far and ``pending`` (each distinct stage whose options are to come -> the stages that will share
+    them, itself included); it may stop here by raising, and may return distinct stages in the order to measure
+    them (those it leaves out after them, in chain order; None: as before). ``say(line)`` is told each stage's
+    options."""
+    pending = {k: tuple(j for j, first in enumerate(same_as) if first == k) for k in sorted(set(same_as))}
+    order = []
+    while True:
+        order = (check(chain, pending) if check else None) or order
+        if not pending:
+            return chain
+        k = next(k for k in [*order, *pending] if k in pending)
+        started, stage = time.perf_counter(), measured(k)
+        stages = list(chain.stages)
+        for j in pending.pop(k):
+            stages[j] = dataclasses.replace(stages[j], options=stage.options)
+        chain = dataclasses.replace(chain, stages=tuple(stages))
+        if say:
+            alike = len([j for j in same_as if j == k]) - 1
+            say(f"options of stage {k} ({stage.name}): {len(stage.options)} kept, measured in "
+                f"{time.perf_counter() - started:.1f} s" + (f"; {alike} identical stages share them" if alike else ""))

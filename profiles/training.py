@@ -271,11 +271,11 @@ def say_on_stderr(line: str) -> None:
 def profiled_for_training(model, device, nodes: int = None, say=say_on_stderr, **options):
     """``model`` profiled on ``device`` into a chain (its stages' options measured: profiles/options.py), or with
     ``nodes`` (and ``options`` for :func:`profiles.graph_profiler.profile_graph`) its training step into a graph
-    of at most that many nodes; ``say(line)`` tells what is being done."""
+    of at most that many nodes; ``say(line)`` tells what is being done (each stage and its options as measured)."""
     if nodes is None:
         say("\n".join([*model.report, f"profiling {model.name} on {device} ({len(model.stages)} stages)..."]))
         return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device,
-                             name=model.name, options=DEFAULT_OPTIONS)
+                             name=model.name, options=DEFAULT_OPTIONS, say=lambda line: say(f"  {line}"))
     say(f"capturing and profiling {model.name}'s training step as a graph of at most {nodes} nodes...")
     return profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=nodes, device=device,
                          name=model.name, **options)

@@ -8,10 +8,12 @@ exact; budgets below it have no schedule at all. The table is filled chunk by ch
 (solvers/limits.py): a deadline and Ctrl-C are seen between chunks.
 """
 
+import dataclasses
+
 import numba
 import numpy as np
 
-from planner.chain import Chain
+from planner.chain import Chain, StageOption
 from solvers.limits import Deadline, fill_by_spans
 from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
@@ -87,6 +89,21 @@ def minimum_budget(chain: Chain, deadline: Deadline = None, options: bool = Fals
     arrays, need, _ = _table(chain, deadline, options)
     final_state = arrays.x[0] + arrays.param_prefix[-1]  # δ_0 and every parameter gradient, after the last backward
     return int(arrays.x[0] + max(need[0, chain.length], final_state))
+
+
+def least_budget_bound(chain: Chain, stages=None) -> int:
+    """Bytes: a lower bound of :func:`minimum_budget` with ``options`` for ``chain`` once the stages ``stages``
+    (indices; None: all) have whatever options they will have, known before those are measured. Every option
+    keeps at least the stage's output (``saved_bytes`` counts it) and no bytes can be negative, so an ideal option,
+    keeping the output alone with no temporaries, is no worse on any count than a measured one; the least memory
+    only falls as a stage gains a way no worse on each count (each appears added inside a maximum, under a
+    minimum over ways), so the least with an ideal option on each of ``stages`` is at most the least with any
+    measured ones. The least without them is an upper bound."""
+    chosen = range(chain.length) if stages is None else set(stages)
+    ideal = tuple(dataclasses.replace(stage, options=stage.options + (StageOption(
+        recompute=(), fwd_time=stage.fwd_time, bwd_time=stage.bwd_time, saved_bytes=stage.out_bytes,
+        own_saved_bytes=0),)) if k in chosen else stage for k, stage in enumerate(chain.stages))
+    return minimum_budget(dataclasses.replace(chain, stages=ideal), options=True)
 
 
 def least_memory_schedule(chain: Chain, options: bool = False) -> tuple:

@@ -134,7 +134,7 @@ def fitted_t5():
     from planner import fit
 
     model, batch = t5()
-    return copy.deepcopy(model), fit(model, batch, "60%", stage_options=0, **FAST), batch
+    return copy.deepcopy(model), fit(model, batch, "70%", stage_options=0, **FAST), batch
 
 
 @pytest.fixture(scope="module")

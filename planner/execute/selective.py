@@ -47,7 +47,7 @@ def stage_graph(module, args) -> torch.fx.GraphModule:
     parameters and buffers."""
     if isinstance(module, torch.fx.GraphModule):
         return module
-    key = _structure_key(module, args)
+    key = structure_key(module, args)
     if key not in _EXPORTED:
         if len(_EXPORTED) >= _EXPORTS_KEPT:  # the oldest first (dicts keep insertion order)
             del _EXPORTED[next(iter(_EXPORTED))]
@@ -57,7 +57,7 @@ def stage_graph(module, args) -> torch.fx.GraphModule:
     return _rebound(_EXPORTED[key], module)
 
 
-def _structure_key(module, args) -> tuple:
+def structure_key(module, args) -> tuple:
     """What makes two modules run the same graph: their classes and settings (every submodule's plain
     attributes), parameter and buffer shapes, the inputs' shapes, the tensors' kinds (a graph exported on fake
     tensors keeps fake constants) and the training flag."""
