@@ -312,7 +312,7 @@ class _Runner:
         detached)``, the figures ``measured``'s but for its name and the bytes of the parameters it ``owned``; its
         output from one run without autograd; None when that output's bytes are not ``measured``'s."""
         with torch.no_grad():
-            output = _guarded(k, stage_name, module, extra)(_fresh_input(activation, False))
+            output = _guarded(k, stage_name, module, extra, self.ran)(_fresh_input(activation, False))
         if storage_bytes(_tensors(output)) != measured.out_bytes:
             return None
         stage = dataclasses.replace(measured, name=stage_name, param_bytes=storage_bytes(list(owned)))
