@@ -160,7 +160,7 @@ def trainer_loop(name, budget, steps) -> tuple:
 
     model, example, _ = MODELS[name]()
     twin = copy.deepcopy(model)
-    rows = [{key: value[k] for key, value in _token_batch(400 + k).items()} for k in range(steps * 4)]
+    rows = [{key: value[k % 4] for key, value in _token_batch(400 + k // 4).items()} for k in range(steps * 4)]
     fitted = fit(model, default_data_collator(rows[:4]), budget)
     logged = []
     for trained in (fitted, twin):
