@@ -5,7 +5,7 @@
 (planner/chain.py) as the simulator will use it: ``out_bytes``, ``saved_bytes``, ``own_saved_bytes``, the
 forward, no-grad and backward temporaries, ``param_bytes`` and the times; memory from one run under the
 live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separate runs without it. With
-``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (:func:`build_fake`):
+``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (profiles/fake_build.py):
 sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
 (``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
@@ -19,12 +19,7 @@ import statistics
 import time
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.chain import Chain, Loss, Stage, StageOption
@@ -34,7 +29,6 @@ from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.records import measured_on, shared_parameters
 from planner.execute.selective import forward_nodes, recomputation, run_with_option
 from planner.execute.stages import (
-    StagedModel,
     checked_device,
     default_loss,
     named_stages,
@@ -47,70 +41,6 @@ from profiles.options import candidate_recomputes, measure_options, pareto_front
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
-
-
-def build_fake(factory):
-    """``(mode, factory())`` with the model's parameters and buffers and the tensor inputs fake tensors of one
-    fresh ``FakeTensorMode``, ``mode``.
-
-    ``factory()`` is called under that mode, so that nothing is allocated; but
-    fake tensors have no values, so an initialisation that reads the values it
-    draws fails there (``torch.nn.init.trunc_normal_`` loops until every value
-    lies within its bounds: every ViT and ConvNeXt). Such a factory is called
-    again for real, its parameters allocated but no activation, and then
-    :func:`fake_copies` replaces its tensors by fake ones. Tensors the loss
-    closes over (targets) stay real: the mode takes them as constants.
-    """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode:
-            return mode, factory()
-    except (DataDependentOutputException, DynamicOutputShapeException):
-        pass
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # not the one the failed build left fake tensors in
-    return mode, fake_copies(mode, factory())
-
-
-def fake_copies(mode, built):
-    """``built`` (a :class:`planner.execute.stages.StagedModel`, or ``(stages, example_inputs[, loss_fn])``) with the
-    parameters and buffers of its stages replaced in place by fake tensors of ``mode`` of the same shape,
-    strides, dtype, device and ``requires_grad`` (a parameter shared by two modules stays one), and its tensor
-    inputs by fake copies; anything else is left as it is for the profiler to judge."""
-    if isinstance(built, StagedModel):
-        _fake_modules(mode, [module for _, module in built.stages])
-        return dataclasses.replace(built, example_inputs=_fake_tree(mode, built.example_inputs))
-    if not isinstance(built, tuple) or len(built) not in (2, 3):
-        return built
-    stages = built[0]
-    if isinstance(stages, torch.nn.Module):
-        modules = [stages]
-    else:
-        modules = list(stages.values()) if isinstance(stages, dict) else list(stages) if isinstance(
-            stages, (list, tuple)) else []
-        modules = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in modules]
-    _fake_modules(mode, [module for module in modules if isinstance(module, torch.nn.Module)])
-    return (stages, _fake_tree(mode, built[1]), *built[2:])
-
-
-def _fake_modules(mode, modules) -> None:
-    """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``."""
-    copies = {}  # id(real tensor) -> (real, fake): the real one held, so that its id is not reused meanwhile
-
-    def fake(tensor):
-        if id(tensor) not in copies:
-            copies[id(tensor)] = (tensor, mode.from_tensor(tensor))  # a Parameter's copy is a Parameter
-        return copies[id(tensor)][1]
-
-    for module in modules:
-        for sub in module.modules():
-            for table in (sub._parameters, sub._buffers):
-                for name, tensor in table.items():
-                    if tensor is not None:
-                        table[name] = fake(tensor)
-
-
-def _fake_tree(mode, tree):
-    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
@@ -211,7 +141,7 @@ def _fake_mode(pairs, inputs):
         if isinstance(tensor, FakeTensor):
             return tensor.fake_mode
     raise MemschedError("estimate mode needs the model and its inputs built under one FakeTensorMode "
-                        "(profiles.chain_profiler.build_fake(factory) does it)")
+                        "(profiles.fake_build.build_fake(factory) does it)")
 
 
 def _device_of(inputs) -> torch.device:

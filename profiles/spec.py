@@ -22,8 +22,8 @@ import torch
 from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, batch_part, default_loss, named_stages, rank_slice
 from profiles import zoo
-from profiles.chain_profiler import build_fake
 from profiles.discover import discover
+from profiles.fake_build import build_fake
 
 _module_counter = itertools.count()
 
@@ -31,7 +31,7 @@ _module_counter = itertools.count()
 def load_model(spec: str, *, batch: int = None, estimate: bool = False, part: tuple = None):
     """``(model, fake_mode)``: the :class:`planner.execute.stages.StagedModel` that ``spec`` names, its parameters,
     buffers and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that
-    mode, else None; see :func:`profiles.chain_profiler.build_fake`). ``part=(rank, world)``: on that data-parallel
+    mode, else None; see :func:`profiles.fake_build.build_fake`). ``part=(rank, world)``: on that data-parallel
     rank's part of the batch (planner/execute/stages.py's ``batch_part``), cut before the stages are found."""
     if _is_file_spec(spec):
         path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")

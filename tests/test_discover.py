@@ -209,7 +209,7 @@ def test_inputs_other_than_a_tensor_a_tuple_or_a_dict_fail_in_one_line():
 
 
 def test_an_estimate_discovers_the_same_stages_and_sizes_without_allocating():
-    from profiles.chain_profiler import build_fake
+    from profiles.fake_build import build_fake
 
     mode, (model, inputs, _) = build_fake(MODELS["gpt2"])
     estimated = discover(model, inputs).staged

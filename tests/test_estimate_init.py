@@ -1,7 +1,7 @@
 """``--estimate`` on a model whose initialisation fake tensors cannot run: ``torch.nn.init.trunc_normal_``
 (every ViT and ConvNeXt) draws until every value lies within its bounds, a data-dependent loop that raises
 ``DataDependentOutputException`` under ``FakeTensorMode``. The estimate builds such a model for real and fakes
-its tensors (profiles.chain_profiler.build_fake); its sizes must equal the measured profile's to the byte, at
+its tensors (profiles.fake_build.build_fake); its sizes must equal the measured profile's to the byte, at
 the machine's thread count and at one thread."""
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 import cli
 from planner import load_chain
-from profiles.chain_profiler import build_fake
+from profiles.fake_build import build_fake
 from profiles.spec import load_model
 
 QUICK = ["--warmup", "0", "--repeats", "1"]

@@ -172,7 +172,8 @@ def test_hierarchical_beats_rotor_on_the_models_profiles(name):
     resnet-tiny 0.066 against 0.149, 12.44 against 14.44 MiB)."""
     import statistics
 
-    from profiles.chain_profiler import build_fake, profile_chain
+    from profiles.chain_profiler import profile_chain
+    from profiles.fake_build import build_fake
     from profiles.zoo import MODELS
 
     _, model = build_fake(lambda: MODELS[name]())

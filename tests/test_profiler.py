@@ -5,7 +5,8 @@ import torch
 
 from planner import simulate
 from planner.execute.live_memory import LiveMemoryTracker
-from profiles.chain_profiler import build_fake, profile_chain
+from profiles.chain_profiler import profile_chain
+from profiles.fake_build import build_fake
 from profiles.memory import storage_bytes
 from profiles.reference_step import measured_peak
 from profiles.spec import load_model

@@ -141,7 +141,7 @@ def test_a_plan_with_options_needs_its_chain(case):
 
 
 def test_estimate_gives_the_options_of_the_real_profile():
-    from profiles.chain_profiler import build_fake
+    from profiles.fake_build import build_fake
 
     real_model = MODELS["gpt-tiny"]()
     real = profile_chain(real_model.stages, real_model.example_inputs, loss_fn=real_model.loss_fn, warmup=0,

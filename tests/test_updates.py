@@ -28,8 +28,9 @@ from planner.simulate import simulate
 from planner.training_setup import TrainingSetup, device_parameters, parameters_of
 from planner.transfer import Transfer
 from planner.updates import updated_chain
-from profiles.chain_profiler import build_fake, profile_chain
+from profiles.chain_profiler import profile_chain
 from profiles.discover import discover
+from profiles.fake_build import build_fake
 from profiles.training import Learner, train_chain_plan
 from profiles.zoo import MODELS
 from solvers import solve

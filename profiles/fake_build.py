@@ -1,0 +1,73 @@
+"""A model built on fake tensors: its sizes exact, nothing allocated (for estimated profiles, docs/execution.md)."""
+
+import dataclasses
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from planner.execute.stages import StagedModel
+
+
+def build_fake(factory):
+    """``(mode, factory())`` with the model's parameters and buffers and the tensor inputs fake tensors of one
+    fresh ``FakeTensorMode``, ``mode``.
+
+    ``factory()`` is called under that mode, so that nothing is allocated; but
+    fake tensors have no values, so an initialisation that reads the values it
+    draws fails there (``torch.nn.init.trunc_normal_`` loops until every value
+    lies within its bounds: every ViT and ConvNeXt). Such a factory is called
+    again for real, its parameters allocated but no activation, and then
+    :func:`fake_copies` replaces its tensors by fake ones. Tensors the loss
+    closes over (targets) stay real: the mode takes them as constants.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            return mode, factory()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        pass
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # not the one the failed build left fake tensors in
+    return mode, fake_copies(mode, factory())
+
+
+def fake_copies(mode, built):
+    """``built`` (a :class:`planner.execute.stages.StagedModel`, or ``(stages, example_inputs[, loss_fn])``) with the
+    parameters and buffers of its stages replaced in place by fake tensors of ``mode`` of the same shape,
+    strides, dtype, device and ``requires_grad`` (a parameter shared by two modules stays one), and its tensor
+    inputs by fake copies; anything else is left as it is for the profiler to judge."""
+    if isinstance(built, StagedModel):
+        _fake_modules(mode, [module for _, module in built.stages])
+        return dataclasses.replace(built, example_inputs=_fake_tree(mode, built.example_inputs))
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        return built
+    stages = built[0]
+    if isinstance(stages, torch.nn.Module):
+        modules = [stages]
+    else:
+        modules = list(stages.values()) if isinstance(stages, dict) else list(stages) if isinstance(
+            stages, (list, tuple)) else []
+        modules = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in modules]
+    _fake_modules(mode, [module for module in modules if isinstance(module, torch.nn.Module)])
+    return (stages, _fake_tree(mode, built[1]), *built[2:])
+
+
+def _fake_modules(mode, modules) -> None:
+    """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``."""
+    copies = {}  # id(real tensor) -> (real, fake): the real one held, so that its id is not reused meanwhile
+
+    def fake(tensor):
+        if id(tensor) not in copies:
+            copies[id(tensor)] = (tensor, mode.from_tensor(tensor))  # a Parameter's copy is a Parameter
+        return copies[id(tensor)][1]
+
+    for module in modules:
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        table[name] = fake(tensor)
+
+
+def _fake_tree(mode, tree):
+    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
