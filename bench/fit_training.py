@@ -15,14 +15,15 @@ seeds, in five loops:
 * ``eval between``: an evaluation (``fitted.eval()`` under ``torch.no_grad()``) between training steps, its loss
   against the unmodified model's in eval mode, and the training step after it measured;
 * ``Trainer``: Hugging Face's ``Trainer`` given the fitted model as it is, ``--steps`` steps on a tiny in-memory
-  data set, its logged losses against the same Trainer's on the unmodified model (peaks not measured: the
-  Trainer's step is its own).
+  data set, its logged losses and the parameters after against the same Trainer's on the unmodified model (peaks
+  not measured: the Trainer's step is its own).
 
 A step's measured peak is what the user's call and backward allocate (the live-memory tracker around
 ``fitted(**batch)`` and the backward, the prelude's masks and positions included) plus the batch tensors the
 chain reads as they are, and, from the second micro-batch on, the gradients held from the earlier ones. Each
-row prints the measured/predicted ratio of every step (micro-batch) and whether every loss equals the
-unmodified model's (``torch.equal``).
+row prints the measured/predicted ratio of every step (micro-batch) and whether every loss (for the Trainer, every
+logged loss and parameter after its steps) equals the unmodified model's (``torch.equal``), else the largest
+relative difference.
 """
 
 import argparse
@@ -43,6 +44,20 @@ from planner.execute.live_memory import LiveMemoryTracker  # noqa: E402
 from profiles.memory import storage_bytes  # noqa: E402
 
 LR = 1e-3
+
+
+class Agreement:
+    """Whether every loss equals the unmodified model's, else the largest relative difference."""
+
+    def __init__(self):
+        self.largest = 0.0
+
+    def add(self, loss, expected) -> None:
+        if not torch.equal(loss, expected):
+            self.largest = max(self.largest, float(((loss - expected).abs() / expected.abs()).max()))
+
+    def __str__(self) -> str:
+        return "yes" if self.largest == 0 else f"no: {self.largest:.1e} relative"
 
 
 def _loss(output):
@@ -84,7 +99,7 @@ def plain_loop(name, budget, steps, autocast=None) -> tuple:
     twin = copy.deepcopy(model)
     fitted = fit(model, example, budget, autocast=autocast if autocast is not None else False)
     ours, theirs = torch.optim.Adam(model.parameters(), lr=LR), torch.optim.Adam(twin.parameters(), lr=LR)
-    ratios, equal = [], True
+    ratios, equal = [], Agreement()
     for step, batch in enumerate(batches(steps, 100)):
         torch.manual_seed(step)
         loss, peak = measured_step(fitted, batch, autocast)
@@ -94,7 +109,7 @@ def plain_loop(name, budget, steps, autocast=None) -> tuple:
             optimizer.step()
             optimizer.zero_grad()
         ratios.append(peak / fitted.predicted.peak_bytes)
-        equal &= torch.equal(loss, expected)
+        equal.add(loss, expected)
     return ratios, equal
 
 
@@ -104,7 +119,7 @@ def accumulating_loop(name, budget, steps, micro_batches=4) -> tuple:
     fitted = fit(model, example, budget, accumulate=micro_batches)
     predicted = fitted.micro_batch_peaks
     ours, theirs = torch.optim.Adam(model.parameters(), lr=LR), torch.optim.Adam(twin.parameters(), lr=LR)
-    ratios, equal = [], True
+    ratios, equal = [], Agreement()
     for step in range(steps):
         for micro, batch in enumerate(batches(micro_batches, 200 + micro_batches * step)):
             held = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
@@ -113,7 +128,7 @@ def accumulating_loop(name, budget, steps, micro_batches=4) -> tuple:
             torch.manual_seed(step * 100 + micro)
             expected = reference_step(twin, batch)
             ratios.append(peak / predicted[micro])
-            equal &= torch.equal(loss, expected)
+            equal.add(loss, expected)
         for optimizer in (ours, theirs):
             optimizer.step()
             optimizer.zero_grad()
@@ -125,7 +140,7 @@ def eval_between_loop(name, budget, steps) -> tuple:
     twin = copy.deepcopy(model)
     fitted = fit(model, example, budget)
     ours, theirs = torch.optim.Adam(model.parameters(), lr=LR), torch.optim.Adam(twin.parameters(), lr=LR)
-    ratios, equal = [], True
+    ratios, equal = [], Agreement()
     evaluation = _token_batch(999)
     for step, batch in enumerate(batches(steps, 300)):
         torch.manual_seed(step)
@@ -136,11 +151,11 @@ def eval_between_loop(name, budget, steps) -> tuple:
             optimizer.step()
             optimizer.zero_grad()
         ratios.append(peak / fitted.predicted.peak_bytes)
-        equal &= torch.equal(loss, expected)
+        equal.add(loss, expected)
         fitted.eval()
         twin.eval()
         with torch.no_grad():
-            equal &= torch.equal(_loss(fitted(**evaluation)), twin(**evaluation, use_cache=False).loss)
+            equal.add(_loss(fitted(**evaluation)), twin(**evaluation, use_cache=False).loss)
         fitted.train()
         twin.train()
     return ratios, equal
@@ -172,7 +187,14 @@ def trainer_loop(name, budget, steps) -> tuple:
             Trainer(model=trained, args=args, train_dataset=rows, data_collator=default_data_collator,
                     callbacks=[losses]).train()
             logged.append(losses.losses)
-    return None, len(logged[0]) == steps and logged[0] == logged[1]
+    agreement = Agreement()
+    if len(logged[0]) != steps:
+        agreement.largest = float("inf")
+    for ours, theirs in zip(*logged):
+        agreement.add(torch.tensor(ours), torch.tensor(theirs))
+    for (_, p), q in zip(model.named_parameters(), twin.parameters()):  # and the parameters Trainer stepped
+        agreement.add(p.detach(), q.detach())
+    return None, agreement
 
 
 LOOPS = {
@@ -200,7 +222,7 @@ def main():
             ratios, equal = run(name, args.budget, args.steps)
             shown = "not measured (Trainer's own step)" if ratios is None else \
                 " ".join(f"{ratio:.4f}" for ratio in ratios)
-            print(f"{name:<8} {loop:<14} {shown:<64} {'yes' if equal else 'NO'}", flush=True)
+            print(f"{name:<8} {loop:<14} {shown:<64} {equal}", flush=True)
 
 
 if __name__ == "__main__":

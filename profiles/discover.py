@@ -35,6 +35,7 @@ takes it (a generation cache is not training state, and a recomputed layer would
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -74,7 +75,14 @@ def returned_loss(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-_LOSS, _TENSOR = object(), object()  # in an output layout: the loss's place, a returned tensor's place
+class _Place(enum.Enum):
+    """In an output layout: the loss's place, a returned tensor's place (members survive a deep copy)."""
+
+    LOSS = "loss"
+    TENSOR = "tensor"
+
+
+_LOSS, _TENSOR = _Place.LOSS, _Place.TENSOR
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import functools
 import inspect
 import sys
 import time
+import types
 
 import torch
 
@@ -123,7 +124,7 @@ class FittedModel(torch.nn.Module):
         self._plans = []
         self._current = self._planned(example_inputs)
         # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
-        self.forward = functools.wraps(model.forward)(lambda *args, **kwargs: self._forward(*args, **kwargs))
+        self.forward = types.MethodType(_forward_as(model), self)
 
     def _planned(self, example_inputs) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``."""
@@ -319,6 +320,19 @@ def held_by_caller(chain, held: int):
     stage = dataclasses.replace(last, out_bytes=loss_bytes, own_saved_bytes=last.own_saved_bytes + unsaved,
                                 param_bytes=last.param_bytes + held, options=options)
     return dataclasses.replace(chain, stages=chain.stages[:-1] + (stage,))
+
+
+def _forward_as(model):
+    """A ``forward(self, *args, **kwargs)`` calling ``self._forward``, its signature and docstring ``model``'s. Bound
+    to the fitted model as a method, a deep copy binds it to the copy."""
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+    signature = inspect.signature(model.forward)
+    itself = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[itself, *signature.parameters.values()])
+    forward.__doc__ = model.forward.__doc__
+    return forward
 
 
 def _returns(returns, options, graph: bool) -> str:

@@ -232,3 +232,18 @@ def test_hugging_face_trainer_trains_the_fitted_model_as_the_model(tmp_path):
     assert len(ours) == 3 and ours == theirs
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_deep_copy_of_a_fitted_model_runs_by_its_own_parameters(gpt2):
+    """``copy.deepcopy(fitted)`` (as tests and checkpoints make) calls the copy's plan on the copy's parameters:
+    its gradients land on its own, none on the original's, and its output is rebuilt as the model's."""
+    from planner import fit
+
+    model, batch = gpt2
+    fitted = fit(copy.deepcopy(model), batch, "50%", **QUICK)
+    copied = copy.deepcopy(fitted)
+    out = copied(**batch)
+    assert type(out) is type(fitted(**batch)) and _planned(out)
+    out.loss.backward()
+    assert all(p.grad is None for p in fitted.parameters())
+    assert all(p.grad is not None for p in copied.parameters())
