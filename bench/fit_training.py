@@ -164,6 +164,7 @@ def eval_between_loop(name, budget, steps) -> tuple:
 def trainer_loop(name, budget, steps) -> tuple:
     """Hugging Face's Trainer on the fitted model and on the unmodified one: ``(None, logged losses equal)``."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers.trainer_callback import PrinterCallback
 
     class Losses(TrainerCallback):
         def __init__(self):
@@ -182,10 +183,13 @@ def trainer_loop(name, budget, steps) -> tuple:
         with tempfile.TemporaryDirectory() as folder:
             args = TrainingArguments(output_dir=folder, max_steps=steps, per_device_train_batch_size=4,
                                      learning_rate=LR, logging_steps=1, report_to=[], use_cpu=True,
-                                     save_strategy="no", dataloader_num_workers=0, seed=0)
+                                     save_strategy="no", dataloader_num_workers=0, seed=0,
+                                     disable_tqdm=True)
             losses = Losses()
-            Trainer(model=trained, args=args, train_dataset=rows, data_collator=default_data_collator,
-                    callbacks=[losses]).train()
+            trainer = Trainer(model=trained, args=args, train_dataset=rows, data_collator=default_data_collator,
+                              callbacks=[losses])
+            trainer.remove_callback(PrinterCallback)  # the table is the output
+            trainer.train()
             logged.append(losses.losses)
     agreement = Agreement()
     if len(logged[0]) != steps:

@@ -123,9 +123,9 @@ def test_the_chain_refuses_what_the_graph_plan_reaches_and_names_graph_true(case
         message = one_line_error(model, x, reached, stage_options=0, **QUICK)
         assert "the chain of 2 stages" in message and "cannot save memory" in message
         assert "fit(..., graph=True)" in message
-        # below what the graph can reach too: the chain's own refusal, no offer
+        # below what the graph can reach too: the chain's own refusal (fit's, as soon as the floor is known), no offer
         message = one_line_error(model, x, reached // 2, stage_options=0, **QUICK)
-        assert "graph=True" not in message and "minimum feasible" in message
+        assert "graph=True" not in message and "below the least feasible budget for Summed" in message
 
 
 def test_graph_fitted_steps_are_the_unmodified_models_within_the_predicted_peak(case, threads):
