@@ -163,16 +163,9 @@ def eval_between_loop(name, budget, steps) -> tuple:
 
 def trainer_loop(name, budget, steps) -> tuple:
     """Hugging Face's Trainer on the fitted model and on the unmodified one: ``(None, logged losses equal)``."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
-    from transformers.trainer_callback import PrinterCallback
+    from transformers import default_data_collator
 
-    class Losses(TrainerCallback):
-        def __init__(self):
-            self.losses = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
+    from hf_trainer import trainer_losses  # tests/hf_trainer.py
 
     model, example, _ = MODELS[name]()
     twin = copy.deepcopy(model)
@@ -181,16 +174,8 @@ def trainer_loop(name, budget, steps) -> tuple:
     logged = []
     for trained in (fitted, twin):
         with tempfile.TemporaryDirectory() as folder:
-            args = TrainingArguments(output_dir=folder, max_steps=steps, per_device_train_batch_size=4,
-                                     learning_rate=LR, logging_steps=1, report_to=[], use_cpu=True,
-                                     save_strategy="no", dataloader_num_workers=0, seed=0,
-                                     disable_tqdm=True)
-            losses = Losses()
-            trainer = Trainer(model=trained, args=args, train_dataset=rows, data_collator=default_data_collator,
-                              callbacks=[losses])
-            trainer.remove_callback(PrinterCallback)  # the table is the output
-            trainer.train()
-            logged.append(losses.losses)
+            logged.append(trainer_losses(trained, rows, folder, steps=steps, batch_size=4, lr=LR, seed=0,
+                                         data_collator=default_data_collator))
     agreement = Agreement()
     if len(logged[0]) != steps:
         agreement.largest = float("inf")

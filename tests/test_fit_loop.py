@@ -196,8 +196,9 @@ def test_hugging_face_trainer_trains_the_fitted_model_as_the_model(tmp_path):
     """Three steps of ``Trainer`` on a tiny in-memory data set, the fitted model given as it is: the logged losses
     and the parameters are those of the unmodified model behind an identical Trainer."""
     pytest.importorskip("accelerate")  # Trainer's own requirement (the test extra installs it)
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
+    from hf_trainer import trainer_losses
     from planner import fit
 
     model, _, _ = MODELS["gpt2"]()
@@ -211,21 +212,8 @@ def test_hugging_face_trainer_trains_the_fitted_model_as_the_model(tmp_path):
         data.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     fitted = fit(model, default_data_collator(data[:2]), "60%", **QUICK)
 
-    class Losses(TrainerCallback):
-        def __init__(self):
-            self.losses = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
-
     def train(module, folder):
-        losses = Losses()
-        arguments = TrainingArguments(output_dir=str(tmp_path / folder), max_steps=3, per_device_train_batch_size=2,
-                                      learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
-                                      save_strategy="no", dataloader_num_workers=0, seed=3, disable_tqdm=True)
-        Trainer(model=module, args=arguments, train_dataset=data, callbacks=[losses]).train()
-        return losses.losses
+        return trainer_losses(module, data, str(tmp_path / folder), steps=3, batch_size=2, lr=1e-2, seed=3)
 
     ours, theirs = train(fitted, "fitted"), train(twin, "twin")
     assert "num_items_in_batch" in fitted.discovery.keywords  # Trainer's loss argument, planned for at its first
