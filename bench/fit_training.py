@@ -93,13 +93,15 @@ def batches(count: int, seed: int) -> list:
     return [_token_batch(seed + k) for k in range(count)]
 
 
-def plain_loop(name, budget, steps, autocast=None) -> tuple:
-    """fp32 or bf16: ``steps`` steps; ``(ratios, losses equal)``."""
+def plain_loop(name, budget, steps, autocast=None, evaluate: bool = False) -> tuple:
+    """fp32 or bf16 (``autocast``): ``steps`` steps, each followed by an evaluation when ``evaluate`` (both models
+    in eval mode under ``torch.no_grad()``, then back to training); ``(ratios, agreement)``."""
     model, example, _ = MODELS[name]()
     twin = copy.deepcopy(model)
     fitted = fit(model, example, budget, autocast=autocast if autocast is not None else False)
     ours, theirs = torch.optim.Adam(model.parameters(), lr=LR), torch.optim.Adam(twin.parameters(), lr=LR)
     ratios, equal = [], Agreement()
+    evaluation = _token_batch(999)
     for step, batch in enumerate(batches(steps, 100)):
         torch.manual_seed(step)
         loss, peak = measured_step(fitted, batch, autocast)
@@ -110,6 +112,13 @@ def plain_loop(name, budget, steps, autocast=None) -> tuple:
             optimizer.zero_grad()
         ratios.append(peak / fitted.predicted.peak_bytes)
         equal.add(loss, expected)
+        if evaluate:
+            fitted.eval()
+            twin.eval()
+            with torch.no_grad():
+                equal.add(_loss(fitted(**evaluation)), twin(**evaluation, use_cache=False).loss)
+            fitted.train()
+            twin.train()
     return ratios, equal
 
 
@@ -132,32 +141,6 @@ def accumulating_loop(name, budget, steps, micro_batches=4) -> tuple:
         for optimizer in (ours, theirs):
             optimizer.step()
             optimizer.zero_grad()
-    return ratios, equal
-
-
-def eval_between_loop(name, budget, steps) -> tuple:
-    model, example, _ = MODELS[name]()
-    twin = copy.deepcopy(model)
-    fitted = fit(model, example, budget)
-    ours, theirs = torch.optim.Adam(model.parameters(), lr=LR), torch.optim.Adam(twin.parameters(), lr=LR)
-    ratios, equal = [], Agreement()
-    evaluation = _token_batch(999)
-    for step, batch in enumerate(batches(steps, 300)):
-        torch.manual_seed(step)
-        loss, peak = measured_step(fitted, batch)
-        torch.manual_seed(step)
-        expected = reference_step(twin, batch)
-        for optimizer in (ours, theirs):
-            optimizer.step()
-            optimizer.zero_grad()
-        ratios.append(peak / fitted.predicted.peak_bytes)
-        equal.add(loss, expected)
-        fitted.eval()
-        twin.eval()
-        with torch.no_grad():
-            equal.add(_loss(fitted(**evaluation)), twin(**evaluation, use_cache=False).loss)
-        fitted.train()
-        twin.train()
     return ratios, equal
 
 
@@ -190,7 +173,7 @@ LOOPS = {
     "fp32": lambda name, budget, steps: plain_loop(name, budget, steps),
     "bf16": lambda name, budget, steps: plain_loop(name, budget, steps, torch.bfloat16),
     "accumulate 4": accumulating_loop,
-    "eval between": eval_between_loop,
+    "eval between": lambda name, budget, steps: plain_loop(name, budget, steps, evaluate=True),
     "Trainer": trainer_loop,
 }
 
