@@ -7,6 +7,8 @@ form (planner.units.format_bytes).
 
 import shutil
 import statistics
+import sys
+import time
 
 from planner.ops import FORWARD_OPS, TRANSFER_OPS
 from planner.training_setup import ITEMS
@@ -455,6 +457,16 @@ def progress_bar(done: int, total: int, label: str, width: int = 30) -> str:
     """``[#########.........] 12/40 block11`` for ``done`` of ``total`` items."""
     filled = width * done // max(total, 1)
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
+
+
+def say_on_stderr(line: str) -> None:
+    """What a command is doing, told on stderr (its results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def seconds_since(started: float) -> str:
+    """The seconds since ``started`` (a ``time.perf_counter()`` reading), for a progress line."""
+    return f"{time.perf_counter() - started:.1f} s"
 
 
 class ProgressLine:

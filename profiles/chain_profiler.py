@@ -35,6 +35,7 @@ from planner.execute.stages import (
     preserved_state,
     quiet_fake_tensor_log,
 )
+from planner.render import seconds_since
 from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
@@ -101,14 +102,14 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
                                                  input_bytes=storage_bytes(_tensors(activation)))
                 if options:
                     kept_inputs[k] = last_input
-                say(f"stage {k} ({stage_name}) of {len(pairs)}: measured in {_seconds(started)}")
+                say(f"stage {k} ({stage_name}) of {len(pairs)}: measured in {seconds_since(started)}")
             profiled.append(stage)
         if progress:
             progress(len(pairs), "loss")
         started = time.perf_counter()
         last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra, runner.ran)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
-        say(f"loss: measured in {_seconds(started)}")
+        say(f"loss: measured in {seconds_since(started)}")
         label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
         if transfer is None and fake_mode is None:
             transfer = measure_transfer(device)
@@ -126,10 +127,6 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         elif check:
             check(chain, {})
     return chain
-
-
-def _seconds(started: float) -> str:
-    return f"{time.perf_counter() - started:.1f} s"
 
 
 def _tensors(tree) -> list:

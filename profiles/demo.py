@@ -7,10 +7,11 @@ being done meanwhile (profiling).
 import solvers
 from planner import render
 from planner.plot import plot_timeline
+from planner.render import say_on_stderr
 from planner.simulate import simulate
 from planner.units import parse_budget
 from profiles.spec import load_model
-from profiles.training import profiled_for_training, say_on_stderr, train_chain_plan
+from profiles.training import profiled_for_training, train_chain_plan
 
 
 def demo_lines(steps: int, plot: str = None, say=say_on_stderr):

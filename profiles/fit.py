@@ -12,7 +12,6 @@ own; in eval mode or without gradients it is the model itself; Hugging Face's ``
 import dataclasses
 import functools
 import inspect
-import sys
 import time
 import types
 
@@ -22,6 +21,7 @@ import solvers
 from planner.accumulate import check_accumulate, check_mixes
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
+from planner.render import say_on_stderr, seconds_since
 from planner.simulate import micro_batch_peaks
 from planner.units import format_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
@@ -83,7 +83,7 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     is below the least that any options could reach (``solvers.minimum.least_budget_bound``; not with
     ``accumulate``, whose floor is the accumulating step's).
     """
-    say = progress if callable(progress) else _on_stderr if progress else (lambda line: None)
+    say = progress if callable(progress) else say_on_stderr if progress else (lambda line: None)
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                        options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph,
@@ -134,7 +134,7 @@ class FittedModel(torch.nn.Module):
         with self.precision.capturing():
             discovery = self._discover(example_inputs)
         staged = discovery.staged
-        say(f"{name}: {len(staged.stages)} stages discovered in {_since(started)}; profiling them...")
+        say(f"{name}: {len(staged.stages)} stages discovered in {seconds_since(started)}; profiling them...")
         if s["graph"]:
             with self.precision.profiling():
                 graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
@@ -157,10 +157,10 @@ class FittedModel(torch.nn.Module):
         chain = held_by_caller(chain, held)
         budget = _budget_bytes(s["budget"], chain, options["accumulate"])
         offer_graph(staged, chain, budget, s["solver"], options)
-        say(f"{name}: discovered and profiled in {_since(started)}; solving for {format_bytes(budget)}...")
+        say(f"{name}: discovered and profiled in {seconds_since(started)}; solving for {format_bytes(budget)}...")
         solving = time.perf_counter()
         plan = solvers.solve(chain, budget, s["solver"], **options)
-        say(f"{name}: planned in {_since(solving)} ({plan.solver}): predicted peak "
+        say(f"{name}: planned in {seconds_since(solving)} ({plan.solver}): predicted peak "
             f"{format_bytes(plan.predicted.peak_bytes)}, {plan.predicted.overhead:.1%} slower than storing everything")
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
@@ -374,14 +374,6 @@ def _example(args: tuple, kwargs: dict):
     if args and kwargs:
         raise MemschedError("fit(..., replan=True) plans again for positional or keyword inputs, not both at once")
     return kwargs or args
-
-
-def _on_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _since(started: float) -> str:
-    return f"{time.perf_counter() - started:.1f} s"
 
 
 def _refuse_early(staged, chain, pending: dict, settings: dict, options: dict, say, ordered: list):

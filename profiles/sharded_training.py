@@ -14,12 +14,12 @@ from planner.errors import MemschedError
 from planner.execute.data_parallel import run_data_parallel, summary_lines
 from planner.execute.sharded import residents_of, shard_units
 from planner.execute.stages import named_stages
+from planner.render import say_on_stderr
 from planner.sharding import check_sharding, sharded_chain, step_constant
 from planner.units import describe_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model
-from profiles.training import say_on_stderr
 
 
 def train_data_parallel(spec: str, batch, dp: int, zero: int, budget: str, *, device_memory: str = None,

@@ -17,7 +17,6 @@ statistics on a GPU. Times are wall clock with synchronisation.
 
 import copy
 import functools
-import sys
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, sum
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from planner.execute.updates import state_tensors
+from planner.render import say_on_stderr
 from planner.simulate import micro_batch_peaks
 from profiles.chain_profiler import profile_chain
 from profiles.graph_profiler import profile_graph
@@ -261,11 +261,6 @@ def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float =
                            device=device, lr=lr, chain=chain, progress_timeout=timeout)
     return [f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
             f"{steps} steps on {device}"] + summary_lines(results)
-
-
-def say_on_stderr(line: str) -> None:
-    """What a command is doing, told on stderr (its results go to stdout)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def profiled_for_training(model, device, nodes: int = None, say=say_on_stderr, **options):
