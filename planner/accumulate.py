@@ -5,17 +5,16 @@ The loop is ``for batch in micro_batches: loss(batch).backward()``, then ``optim
 step is the chain's own, each stage's ``param_bytes`` made by its ``B`` and held to the end. From the second on,
 every parameter's gradient is resident from the start of the step (:func:`held_gradient_bytes`), and ``B i`` makes
 its stage's gradients anew and adds them into ``.grad`` in place: they are a transient of its backward, freed at
-its end, as with an update inside the backward (planner/updates.py). :func:`accumulating_chain` is the chain
+its end, as with an update inside the backward (planner/updates.py); a tied parameter's summed contributions
+stay from its owner's backward on. :func:`accumulating_chain` is the chain
 those micro-batches run, which every chain solver plans unchanged within the budget less the held gradients; the
 simulator replays it from that many bytes (``ChainSimulator(chain, held_bytes=...)``). Each stage's backward
 adds its own gradients (the executor runs accumulating plans unfused: a graph of several stages would make all
 their gradients before adding any). Why this is exact: docs/model.md, "Gradient accumulation".
 """
 
-import dataclasses
-
 from planner.errors import MemschedError
-from planner.updates import backward_transient
+from planner.updates import updated_chain
 
 MAX_ACCUMULATE = 2**20  # micro-batches per optimizer step: each is a forward and a backward
 
@@ -40,19 +39,14 @@ def accumulating_chain(chain):
 
     A stage's backward makes the same gradients as in the first micro-batch (its measured ``bwd_tmp_bytes``
     include them: the profiler makes them from None) and adds them into ``.grad``, which allocates nothing, then
-    frees them: ``param_bytes`` becomes 0 and ``bwd_tmp_bytes`` at least the moment they all exist
-    (:func:`planner.updates.backward_transient`), for the stage and each of its options. Its fingerprint differs
-    from ``chain``'s: a plan records ``accumulate`` and the chain's own fingerprint.
+    frees them: they are a transient of its backward, exactly as with an update inside the backward, so this is
+    :func:`planner.updates.updated_chain` for ``"in-backward"``. A tied parameter's contributions are summed
+    before they are added into ``.grad``, as autograd sums them (planner/execute/autograd.py,
+    ``TiedGradients``): that sum is held from its owner's backward on, so it stays in the owner's
+    ``param_bytes``, as there. Its fingerprint differs from ``chain``'s: a plan records ``accumulate`` and the
+    chain's own fingerprint.
     """
-    stages = []
-    for stage in chain.stages:
-        made = stage.param_bytes
-        options = tuple(dataclasses.replace(option, bwd_tmp_bytes=backward_transient(
-            option.bwd_tmp_bytes, made, option.own_saved_bytes, stage.out_bytes)) for option in stage.options)
-        stages.append(dataclasses.replace(
-            stage, param_bytes=0, options=options, held_bwd_tmp_bytes=None,
-            bwd_tmp_bytes=backward_transient(stage.bwd_tmp_bytes, made, stage.own_saved_bytes, stage.out_bytes)))
-    return dataclasses.replace(chain, stages=tuple(stages))
+    return updated_chain(chain, "in-backward")
 
 
 def check_mixes(accumulate: int, *, update: str = "after", moves_data: bool = False, compile: bool = False,

@@ -1,6 +1,7 @@
 """What every executor does as autograd and a plain step would: gradients, random numbers, autocast, statistics.
 
-:func:`accumulate_grads` adds gradients into ``.grad`` as AccumulateGrad does; :func:`differentiate` runs
+:func:`accumulate_grads` adds gradients into ``.grad`` as AccumulateGrad does, and :class:`TiedGradients` sums a
+tied parameter's contributions before adding them, in autograd's order; :func:`differentiate` runs
 ``autograd.grad`` from gradient edges, autograd owning (and freeing) the incoming gradients; :func:`rng_state` /
 :func:`set_rng_state` capture and replay the CPU and CUDA generators; :func:`autocast_state` /
 :func:`autocast_as` capture and restore the autocast state; :func:`running_statistics_kept` keeps a recomputed
@@ -36,6 +37,50 @@ def accumulate_grads(parameters, grads: list) -> None:
         else:
             parameter.grad = _copy_to_layout(grad.detach(), parameter)
         del grad
+
+
+class TiedGradients:
+    """A parameter several stages read (tied weights), its gradient added into a ``.grad`` already there in
+    autograd's order: ``G + (a + b)``, not ``(G + a) + b``.
+
+    Autograd sums the contributions a parameter's uses send its AccumulateGrad node, then adds that sum into
+    ``.grad``. The executor differentiates stage by stage, so each stage's contribution would reach ``.grad`` on
+    its own, which rounds differently once ``.grad`` holds earlier micro-batches' gradients. So, for one step:
+    before the first backward reaching such a parameter, :meth:`before_backward` sets its ``.grad`` (``G``) aside;
+    the stages then add into an empty ``.grad`` as usual (``a``, then ``a + b``), and once the backward of the
+    first stage reading it (the last to run) has, :meth:`after_backward` adds that sum into ``G`` in place and
+    makes ``G`` the ``.grad`` again. The sum is held from the owner's backward to the first reader's, as
+    autograd's input buffer holds it (planner/accumulate.py counts it). ``first_readers``: ``{id(parameter):
+    the lowest stage reading it}`` for the shared parameters.
+    """
+
+    def __init__(self, first_readers: dict):
+        self.first_readers = first_readers
+        self.set_aside = {}  # id(parameter) -> (parameter, its .grad before the step)
+
+    def before_backward(self, stages, parameters) -> None:
+        """Before the backward of ``stages`` (a graph's, ascending) reaches ``parameters``."""
+        for parameter in parameters:
+            key = id(parameter)
+            first = self.first_readers.get(key)
+            if (first is not None and first not in stages and parameter.grad is not None
+                    and key not in self.set_aside):
+                self.set_aside[key] = (parameter, parameter.grad)
+                parameter.grad = None
+
+    def after_backward(self, stages) -> None:
+        """After the backward of ``stages`` added its gradients into ``.grad``."""
+        for key in [key for key in self.set_aside if self.first_readers[key] in stages]:
+            parameter, earlier = self.set_aside.pop(key)
+            if parameter.grad is not None:
+                earlier.add_(parameter.grad)
+            parameter.grad = earlier
+
+    def put_back(self) -> None:
+        """A failed step: each ``.grad`` set aside is the ``.grad`` again (this step's sums dropped)."""
+        for parameter, earlier in self.set_aside.values():
+            parameter.grad = earlier
+        self.set_aside.clear()
 
 
 def _address(tensor) -> tuple:

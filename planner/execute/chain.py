@@ -19,7 +19,7 @@ from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_
 from planner.execute.fusion import fused_positions, output_releases
 from planner.execute.host_weights import prepare_host_weights, weights_on_device
 from planner.execute.offload import OffloadStepRun
-from planner.execute.records import input_specs, stage_specs
+from planner.execute.records import find_shared, input_specs, stage_specs
 from planner.execute.sharded import ShardedStepRun
 from planner.execute.stages import named_stages
 from planner.execute.steprun import StepRun
@@ -173,6 +173,8 @@ class PlannedChain(torch.nn.Module):
         # taken when the module is built, as an optimizer takes them.
         self.modules_in_order = list(self.stages)
         self._graph_parameters = {}
+        # A tied parameter's gradient is summed over its stages before it is added into .grad (TiedGradients).
+        self.first_readers = {id(parameter): entry.stages[0] for entry, parameter in find_shared(pairs)}
         self.updates = None if update is None else StageUpdates(self.modules_in_order, *update)
 
     def compiled_stage(self, i):

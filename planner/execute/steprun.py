@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.errors import MemschedError
 from planner.execute.autograd import (
+    TiedGradients,
     accumulate_grads,
     any_requires_grad,
     autocast_as,
@@ -71,6 +72,7 @@ class StepRun:
         self.rng = {}  # stage -> generator states of its first forward (recomputed stages only)
         self.autocast = autocast_state()
         self.output_spec = None
+        self.tied = TiedGradients(planned.first_readers)
 
     def run(self, position) -> None:
         """Execute the operation at ``position`` of the schedule, then release outputs no longer read; on any
@@ -78,6 +80,7 @@ class StepRun:
         try:
             self._run(position)
         except BaseException:
+            self.tied.put_back()
             self.abandon()
             raise
 
@@ -154,9 +157,12 @@ class StepRun:
         targets = [t for t in leaves + extras if t.requires_grad]
         pairs = [(edge, grad) for edge, grad in zip(graph.edges, incoming) if edge is not None and grad is not None]
         inputs = targets + self.gradient_inputs(graph, parameters)
+        stages = graph.stages
         del incoming, graph
+        self.tied.before_backward(stages, parameters)
         results = self.differentiate_stage(pairs, targets, inputs, parameters)
         del inputs
+        self.tied.after_backward(stages)
         if self.planned.updates is not None:  # the optimizer update inside the backward (planner/execute/updates.py)
             self.planned.updates.after_backward(i)
         by_target = iter(results)
