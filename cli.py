@@ -19,7 +19,8 @@ from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, load_graph, save_graph
 from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
-from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, parameters_of
+from planner.setup import Run, TrainingSetup, check
+from planner.setup.training import OPTIMIZERS, PRECISIONS, parameters_of
 from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
 from planner.updates import UPDATES
@@ -108,7 +109,7 @@ def _add_channel_arguments(parser, purpose: str) -> None:
 
 
 def _add_setup_arguments(parser, training: bool = False) -> None:
-    """``--device-memory`` and the training setup (planner/training_setup.py) that ``--budget auto`` and ``memory``
+    """``--device-memory`` and the training setup (planner/setup/training.py) that ``--budget auto`` and ``memory``
     read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused).
     ``training``: train's, which trains with Adam in fp32, and with --dp on FSDP2."""
     parser.add_argument("--device-memory", metavar="BYTES",
@@ -138,13 +139,26 @@ def _given(args, *flags) -> list:
     return [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"), None) is not None]
 
 
-def _setup(args):
-    """The :class:`planner.training_setup.TrainingSetup` the arguments give (default: adam, fp32, ZeRO 0, 1 rank)."""
-    update = {} if args.update in ("after", "auto") else {"update": args.update}
-    return TrainingSetup(**{flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}, **update)
+def _setup(args, pipeline: bool = False) -> TrainingSetup:
+    """The one :class:`planner.setup.TrainingSetup` the flags give (default: adam, fp32, ZeRO 0, 1 rank, the update
+    after the backward; ``--update auto`` searches updates from it), its combinations with the run the flags ask
+    for (``pipeline``: by a pipeline plan) checked."""
+    fields = {flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}
+    if args.update not in ("after", "auto"):
+        fields["update"] = args.update
+    if getattr(args, "accumulate", 1) != 1:
+        fields["accumulate"] = args.accumulate
+    if getattr(args, "offload_weights", None) is not None:
+        fields["host_weights"] = args.offload_weights
+    setup = TrainingSetup(**fields)
+    check(setup, Run(transfers=getattr(args, "solver", None) in solvers.OFFLOAD_SOLVERS,
+                     compile=getattr(args, "compile", False), graph=bool(getattr(args, "graph", False)),
+                     pipeline=pipeline,
+                     clipping=getattr(args, "max_grad_norm", None) is not None))
+    return setup
 
 
-def _solved(args, chain, **options) -> tuple:
+def _solved(args, chain) -> tuple:
     """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`, the setup flags refused but with --budget auto."""
     given = _given(args, *_SETUP_FLAGS)
     if args.budget != "auto" and given:
@@ -152,8 +166,9 @@ def _solved(args, chain, **options) -> tuple:
                             "give --budget auto with it, or drop it")
     auto = args.budget == "auto" and args.device_memory is not None
     memory = parse_budget(args.device_memory, what="--device-memory") if auto else None
-    return solve_for_budget(chain, args.budget, args.solver, memory, _setup(args), args.update,
-                            **_offload_params(args, chain, args.solver), **options)
+    params = dict(_offload_params(args, chain, args.solver),
+                  **{name: getattr(args, name) for name in ("slots", "segments", "snapshots") if hasattr(args, name)})
+    return solve_for_budget(chain, args.budget, args.solver, _setup(args), memory, args.update == "auto", **params)
 
 
 def _channel(args, chain=None, needed_by: str = None):
@@ -366,18 +381,17 @@ def _train(args) -> None:
         return
     if args.progress_timeout is not None and (args.graph or not args.plan):
         raise MemschedError("--progress-timeout bounds a pipeline run: give it with --plan pipeline.json")
+    if not args.graph and args.plan and (args.device_memory is not None or args.budget == "auto"
+                                         or args.update != "after" or args.accumulate != 1):
+        raise MemschedError("--budget auto, --device-memory, --update and --accumulate are for solving: drop them "
+                            "with --plan (a plan records its update and its micro-batches)")
+    _setup(args, pipeline=bool(args.plan) and load_plan(args.plan).kind == "pipeline")  # what does not mix, first
     model, _ = load_model(args.spec, batch=args.batch)
-    if args.compile and (args.graph or (args.plan and load_plan(args.plan).kind == "pipeline")):
-        raise MemschedError("--compile runs chain plans: drop it with --graph or a pipeline plan")
     if args.graph:
         _train_graph(args, model)
         return
     if args.time_limit is not None:
         raise MemschedError("--time-limit is for graph solvers: give it with --graph")
-    if args.plan and (args.device_memory is not None or args.budget == "auto" or args.update != "after"
-                      or args.accumulate != 1):
-        raise MemschedError("--budget auto, --device-memory, --update and --accumulate are for solving: drop them "
-                            "with --plan (a plan records its update and its micro-batches)")
     if args.plan:
         plan = load_plan(args.plan)
         check_plan_schedules(plan, args.plan)
@@ -403,7 +417,7 @@ def _train(args) -> None:
         if note:
             print(note)
     if not args.plan:
-        plan, how = _solved(args, chain, accumulate=args.accumulate)
+        plan, how = _solved(args, chain)
         print("\n".join(solved_lines(plan, args.solver, chain, how)))
     comparison = train_chain_plan(model, plan, chain, args.steps, args.device, args.lr, compile=args.compile,
                                   max_grad_norm=args.max_grad_norm)
@@ -439,9 +453,8 @@ def _train_graph(args, model) -> None:
     from profiles.training import on_device, train_graph_plan
     from profiles.training import profiled_for_training as _profiled
 
-    if args.chain or args.accumulate != 1:
-        raise MemschedError(f"{'--chain' if args.chain else '--accumulate'} is for chain plans; with --graph give "
-                            "a graph profile as --graph GRAPH.json")
+    if args.chain:
+        raise MemschedError("--chain is for chain plans; with --graph give a graph profile as --graph GRAPH.json")
     _refuse_auto_for_graphs(args)
     if args.device != "cpu":
         model.stages, model.example_inputs = on_device(model.stages, model.example_inputs, args.device)
@@ -468,24 +481,23 @@ def _solve(args) -> None:
         raise MemschedError("--max-computations, --first-order, --backend and --gap are for graph problems "
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
-    plan, how = _solved(args, chain, slots=args.slots, segments=args.segments, snapshots=args.snapshots)
+    plan, how = _solved(args, chain)
     floors = render.floor_lines(whole_step_floors(chain, _setup(args))) if how else []
     _print_saved(solved_lines(plan, args.solver, chain, how) + floors, plan, args.output)
 
 
 def _offload_params(args, chain, solver: str) -> dict:
     """``transfer``, ``schedule`` and ``time_limit`` for pofo and the offload solvers (refused for the others),
-    and ``weights`` with the channel for ``--offload-weights`` (any solver)."""
+    and the channel for ``--offload-weights`` (any solver) and the update on the host."""
     weights, schedule = getattr(args, "offload_weights", None), getattr(args, "schedule", None)
     if args.update in ("on-host", "auto") and solver not in solvers.OFFLOAD_SOLVERS and weights is None:
         return {"transfer": _channel(args, chain, "--update on-host" if args.update == "on-host" else None)}
     if solver in solvers.OFFLOAD_SOLVERS:
-        return {"transfer": _channel(args, chain, solver), "schedule": schedule,
-                "time_limit": args.time_limit, "weights": weights}
+        return {"transfer": _channel(args, chain, solver), "schedule": schedule, "time_limit": args.time_limit}
     if weights is not None:
         if schedule is not None or args.time_limit is not None:
             raise MemschedError(f"--schedule and --time-limit are for pofo and the offload solvers, not for {solver}")
-        return {"weights": weights, "transfer": _channel(args, chain, "--offload-weights")}
+        return {"transfer": _channel(args, chain, "--offload-weights")}
     given = _given(args, "--bandwidth", "--h2d-bandwidth", "--latency", "--schedule", "--time-limit")
     if given:
         raise MemschedError(f"{given[0]} is for pofo and the offload solvers ({', '.join(solvers.OFFLOAD_SOLVERS)}), "

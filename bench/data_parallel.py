@@ -27,8 +27,8 @@ import solvers  # noqa: E402
 from planner.execute.data_parallel import run_data_parallel  # noqa: E402
 from planner.execute.sharded import residents_of, shard_units  # noqa: E402
 from planner.execute.stages import named_stages  # noqa: E402
+from planner.setup.training import TrainingSetup  # noqa: E402
 from planner.sharding import sharded_chain, step_constant  # noqa: E402
-from planner.training_setup import TrainingSetup  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter  # noqa: E402
 from profiles.options import DEFAULT_OPTIONS  # noqa: E402

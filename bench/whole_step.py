@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.training_setup import TrainingSetup, parameters_of  # noqa: E402
+from planner.setup.training import TrainingSetup, parameters_of  # noqa: E402
 from planner.transfer import Transfer  # noqa: E402
 from planner.units import parse_bandwidth  # noqa: E402
 from planner.updates import UPDATES  # noqa: E402
@@ -79,7 +79,7 @@ def rows(name: str, steps: int, channel: Transfer) -> list:
 def measure(model, chain, budget: int, update: str, steps: int) -> tuple:
     """``(measured whole-step peak, step time over the unmodified step's, plan)`` of the hierarchical plan of
     ``chain`` within ``budget`` for ``update``."""
-    plan = solve(chain, budget, "hierarchical", update=update)
+    plan = solve(chain, budget, "hierarchical", TrainingSetup(update=update))
     compared = train_chain_plan(model, plan, chain, steps, whole_step=True)
     measured = max(m.peak_bytes for m in compared.planned) + compared.resident_bytes
     seconds = [statistics.median(m.seconds for m in measures) for measures in (compared.planned, compared.plain)]

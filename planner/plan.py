@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import planner.validate as validate
-from planner.accumulate import check_accumulate, check_mixes
+from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
 from planner.graph import Graph
 from planner.jsonio import read_json, write_json_atomic
 from planner.measured_on import MeasuredOn
 from planner.ops import FORWARD_OPS, GRAPH_OPS, ITEMS, OPS, TRANSFER_OPS, GraphOp, Op
+from planner.setup.rules import Run, check
+from planner.setup.training import TrainingSetup
 from planner.shared import shared_from_list
-from planner.training_setup import TrainingSetup
 from planner.transfer import Transfer
 from planner.updates import check_update
 
@@ -31,7 +32,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # each but the first (PyTorch's schedules), and at least one sample of the batch.
 MAX_MICRO_BATCHES = 2**20
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline",
-                "update", "host_stages", "accumulate")
+                "update", "host_stages", "accumulate", "setup")
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
@@ -71,7 +72,7 @@ class PipelineDevice:
 class Pipeline:
     """What a pipeline plan runs: the schedule name (``1f1b`` or ``gpipe``), micro-batches per iteration, the
     activation channel between devices (bytes/s, or None for free transfers; seconds of latency), the training
-    setup (planner.training_setup.TrainingSetup's fields), the devices in order, and the chain's shared parameters
+    setup (planner.setup.training.TrainingSetup's fields), the devices in order, and the chain's shared parameters
     (planner/shared.py) the devices' figures count, copied when solving: what the executor checks and sums."""
 
     schedule: str
@@ -113,6 +114,17 @@ class Plan:
     # Micro-batches whose gradients add up before one optimizer step (planner/accumulate.py): above 1, a chain plan
     # solved, and simulated, for the micro-batches after the first (gradients held from the start).
     accumulate: int = 1
+    # What sizes the resident state (TrainingSetup.sizing(): optimizer, precision, ZeRO stage, ranks) when it is not
+    # the default's (None), written as "setup".
+    sizing: Optional[dict] = None
+
+    @property
+    def setup(self) -> TrainingSetup:
+        """The :class:`planner.setup.TrainingSetup` the plan was solved for (its sizing the default's when not
+        recorded)."""
+        return TrainingSetup(**(self.sizing or {}), update=self.update, host_stages=self.host_stages,
+                             host_weights=self.params.get("weights") if self.kind == "chain" else None,
+                             accumulate=self.accumulate)
 
     @property
     def moves_data(self) -> bool:
@@ -142,6 +154,7 @@ class Plan:
             **({} if self.update == "after" else {"update": self.update}),
             **({} if self.host_stages is None else {"host_stages": list(self.host_stages)}),
             **({} if self.accumulate == 1 else {"accumulate": self.accumulate}),
+            **({} if self.sizing is None else {"setup": dict(self.sizing)}),
         }
 
     def _common_dict(self) -> dict:
@@ -190,11 +203,10 @@ class Plan:
                 raise MemschedError(f"{where}: host_stages must be a list of stage indices")
             host_stages = tuple(validate.count(k, f"{where}: host_stages[{n}]") for n, k in enumerate(host_stages))
         accumulate = check_accumulate(data.get("accumulate", 1), f"{where}: accumulate")
-        if accumulate > 1:
-            if kind != "chain":
-                raise MemschedError(f"{where}: only a plan of kind 'chain' accumulates gradients over micro-batches "
-                                    f"(accumulate {accumulate}), not one of kind {kind!r}")
-            check_mixes(accumulate, update=update, moves_data=data.get("transfer") is not None, where=where)
+        if accumulate > 1 and kind != "chain":
+            raise MemschedError(f"{where}: only a plan of kind 'chain' accumulates gradients over micro-batches "
+                                f"(accumulate {accumulate}), not one of kind {kind!r}")
+        sizing = None if data.get("setup") is None else _sizing(data["setup"], f"{where}: setup")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -207,7 +219,7 @@ class Plan:
         optimal = solver.get("optimal", False)
         if not isinstance(optimal, bool):
             raise MemschedError(f"{where}: solver.optimal must be true or false")
-        return cls(
+        plan = cls(
             kind=kind,
             problem_name=validate.text(validate.require(problem, "name", f"{where}: problem"),
                                        f"{where}: problem.name"),
@@ -241,7 +253,22 @@ class Plan:
             update=update,
             host_stages=host_stages,
             accumulate=accumulate,
+            sizing=sizing,
         )
+        if kind == "chain":
+            check(plan.setup, Run(transfers=plan.moves_data), where=where)
+        return plan
+
+
+def _sizing(raw, where: str) -> dict:
+    """A plan's ``setup`` object: the fields of :meth:`TrainingSetup.sizing`, valid as a setup's."""
+    raw = _object(raw, where)
+    validate.reject_unknown(raw, tuple(TrainingSetup().sizing()), where)
+    try:
+        TrainingSetup(**raw)
+    except MemschedError as exc:
+        raise MemschedError(f"{where}: {exc}") from None
+    return dict(raw)
 
 
 def _pipeline_from_dict(raw, where: str) -> Pipeline:

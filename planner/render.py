@@ -11,7 +11,7 @@ import sys
 import time
 
 from planner.ops import FORWARD_OPS, TRANSFER_OPS
-from planner.training_setup import ITEMS
+from planner.setup.training import ITEMS
 from planner.units import describe_bytes, format_bytes
 
 # Categories of operations, with the letter the ASCII timeline uses for each.
@@ -355,7 +355,7 @@ def pareto_report(chain, sweep, channel=None) -> list:
 
 
 def setup_lines(setup, parameters: int) -> list:
-    """``memsched memory``'s table for a :class:`planner.training_setup.TrainingSetup`: per item, bytes per
+    """``memsched memory``'s table for a :class:`planner.setup.training.TrainingSetup`: per item, bytes per
     parameter and bytes per device for ``parameters``, then the resident bytes and those with gradients."""
     per_parameter, sizes = setup.per_parameter(), setup.breakdown(parameters)
     labels = {"params": "parameters", "grads": "gradients", "master": "fp32 master copy",

@@ -18,10 +18,11 @@ import types
 import torch
 
 import solvers
-from planner.accumulate import check_accumulate, check_mixes
+from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.render import say_on_stderr, seconds_since
+from planner.setup import Run, TrainingSetup, check
 from planner.simulate import micro_batch_peaks
 from planner.units import format_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
@@ -38,7 +39,7 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
         accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", progress=True,
-        **options) -> "FittedModel":
+        setup: TrainingSetup = None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
@@ -84,10 +85,26 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     ``accumulate``, whose floor is the accumulating step's).
     """
     say = progress if callable(progress) else say_on_stderr if progress else (lambda line: None)
+    options = dict(options)
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       options=dict(options, optimizer=optimizer, lr=lr, accumulate=accumulate), graph=graph,
-                       autocast=autocast, returns=returns, say=say)
+                       setup=_fit_setup(setup, accumulate, options), options=dict(options, optimizer=optimizer, lr=lr),
+                       graph=graph, autocast=autocast, returns=returns, say=say)
+
+
+def _fit_setup(setup, accumulate, options: dict) -> TrainingSetup:
+    """The training setup :func:`fit` plans for: ``setup``, else the one its keywords give (``update=``,
+    ``host_stages=``, ``weights=``, taken out of ``options``, and ``accumulate=``); both at once is one line."""
+    given = {key: options.pop(key) for key in ("update", "host_stages", "weights") if key in options}
+    if setup is None:
+        fields = {"host_weights" if key == "weights" else key: value for key, value in given.items()}
+        return TrainingSetup(accumulate=check_accumulate(accumulate, "fit accumulate"), **fields)
+    if not isinstance(setup, TrainingSetup):
+        raise MemschedError(f"fit setup: a planner.setup.TrainingSetup, not {type(setup).__name__}")
+    if given or accumulate != 1:
+        raise MemschedError(f"fit: {next(iter(given), 'accumulate')}= is a field of the setup given: give it there "
+                            "(dataclasses.replace(setup, ...)), not beside it")
+    return setup
 
 
 @dataclasses.dataclass
@@ -108,17 +125,16 @@ class FittedModel(torch.nn.Module):
     model's (``model`` is its submodule), and so is any attribute it lacks (``config``)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, options, say, graph=False, autocast=None, returns="auto"):
+                 stage_options, compile, setup, options, say, graph=False, autocast=None, returns="auto"):
         super().__init__()
-        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad accumulate
-        check_mixes(check_accumulate(options["accumulate"], "fit accumulate"), update=options.get("update", "after"),
-                    compile=compile)
+        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
+        check(setup, Run(compile=compile, graph=graph), interface="fit")
         self.model = model
         self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
-        self.returns = _returns(returns, options, graph)
+        self.returns = _returns(returns, setup, graph)
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                              options=options, graph=graph)
+                              setup=setup, options=options, graph=graph)
         self._say = say
         self.replan = replan
         self._plans = []
@@ -138,7 +154,7 @@ class FittedModel(torch.nn.Module):
         if s["graph"]:
             with self.precision.profiling():
                 graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
-                                                        compile=s["compile"], warmup=s["warmup"], repeats=s["repeats"])
+                                                        warmup=s["warmup"], repeats=s["repeats"])
             planned = _Planned(discovery, graph, plan, run, _modes(self.model), predicted)
             discovery.staged = dataclasses.replace(staged, example_inputs=None)
             self._plans.append(planned)
@@ -148,18 +164,18 @@ class FittedModel(torch.nn.Module):
         held = discovery.returned_bytes  # what the call returns beside the loss, held by the caller
 
         def check(so_far, pending):  # the budget against the floor as soon as it is known
-            return _refuse_early(staged, held_by_caller(so_far, held), pending, s, options, say, ordered)
+            return _refuse_early(staged, held_by_caller(so_far, held), pending, s, say, ordered)
 
         with self.precision.profiling():
             chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
                                   repeats=s["repeats"], name=staged.name, options=s["stage_options"],
                                   say=lambda line: say(f"  {line}"), check=check)
         chain = held_by_caller(chain, held)
-        budget = _budget_bytes(s["budget"], chain, options["accumulate"])
-        offer_graph(staged, chain, budget, s["solver"], options)
+        budget = _budget_bytes(s["budget"], chain, s["setup"].accumulate)
+        offer_graph(staged, chain, budget, s["solver"], s["setup"])
         say(f"{name}: discovered and profiled in {seconds_since(started)}; solving for {format_bytes(budget)}...")
         solving = time.perf_counter()
-        plan = solvers.solve(chain, budget, s["solver"], **options)
+        plan = solvers.solve(chain, budget, s["solver"], s["setup"], **options)
         say(f"{name}: planned in {seconds_since(solving)} ({plan.solver}): predicted peak "
             f"{format_bytes(plan.predicted.peak_bytes)}, {plan.predicted.overhead:.1%} slower than storing everything")
         # the example batch is not kept: it would sit in memory beside every step
@@ -335,12 +351,12 @@ def _forward_as(model):
     return forward
 
 
-def _returns(returns, options, graph: bool) -> str:
+def _returns(returns, setup: TrainingSetup, graph: bool) -> str:
     """:func:`fit`'s ``returns`` checked: ``"auto"`` is ``"loss"`` when the update runs inside the backward, when
     gradients accumulate over micro-batches, and on the graph path, which plan no output held by the caller."""
     if returns not in ("auto", "output", "loss"):
         raise MemschedError(f"fit returns: 'auto', 'output' or 'loss', not {returns!r}")
-    update, accumulate = options.get("update", "after"), options.get("accumulate", 1)
+    update, accumulate = setup.update, setup.accumulate
     reason = (f"update={update!r} (a step that frees each stage's gradients)" if update != "after" else
               f"accumulate={accumulate} (micro-batches after the first)" if accumulate != 1 else
               "graph=True (the graph executor's step)" if graph else None)
@@ -376,7 +392,7 @@ def _example(args: tuple, kwargs: dict):
     return kwargs or args
 
 
-def _refuse_early(staged, chain, pending: dict, settings: dict, options: dict, say, ordered: list):
+def _refuse_early(staged, chain, pending: dict, settings: dict, say, ordered: list):
     """Refuse the budget, as :func:`solvers.solve` would once every option is measured, as soon as it lies below
     the least feasible budget of ``chain`` whatever options the ``pending`` stages get (``check`` of
     :func:`profiles.options.measure_options`): exactly that least when the solver uses no options, else
@@ -385,9 +401,8 @@ def _refuse_early(staged, chain, pending: dict, settings: dict, options: dict, s
     measured: the offload solvers, weights on the host, updates in the backward and accumulation have floors of their
     own. A budget below it that the step's joint graph may meet is refused naming ``graph=True`` (:func:`offer_graph`
     on the discovered ``staged`` model)."""
-    solver = settings["solver"]
-    if solver not in ("auto", "rotor", "hierarchical") or options.get("weights") is not None or \
-            options.get("update", "after") != "after" or options.get("accumulate", 1) != 1:
+    solver, setup = settings["solver"], settings["setup"]
+    if solver not in ("auto", "rotor", "hierarchical") or setup != TrainingSetup(**setup.sizing()):
         return None
     budget, store_all = _budget_bytes(settings["budget"], chain), solvers.store_all_peak(chain)
     check_length(chain)
@@ -399,7 +414,7 @@ def _refuse_early(staged, chain, pending: dict, settings: dict, options: dict, s
         where = f"{format_bytes(least)} ({least} bytes, {share})" if least == most else (
             f"at least {format_bytes(least)} ({share}) whatever options {len(to_come)} of its stages get, and at most "
             f"{format_bytes(most)} ({most / store_all:.1%})")
-        offer_graph(staged, chain, budget, solver, options, least)
+        offer_graph(staged, chain, budget, solver, setup, least)
         raise MemschedError(f"fit budget {settings['budget']!r}: {format_bytes(budget)} ({budget} bytes) is below "
                             f"the least feasible budget for {chain.name}, {where}; raise the budget")
     say(f"{chain.name}: store-all peak {format_bytes(store_all)}; least feasible budget "

@@ -40,21 +40,13 @@ def resident_bytes(graph, inputs) -> int:
     return graph.fixed_bytes - storage_bytes(list(inputs))
 
 
-def fit_graph(staged, budget, solver: str, options: dict, *, compile: bool, warmup: int, repeats: int) -> tuple:
+def fit_graph(staged, budget, solver: str, options: dict, *, warmup: int, repeats: int) -> tuple:
     """``(graph, plan, run, predicted)`` for the discovered ``staged`` model within ``budget`` (as :func:`fit` takes
     it; a percentage is of the graph's store-all peak on fit's footing). ``options``: ``nodes`` (default
     :data:`GRAPH_NODES`), ``time_limit`` (seconds, default :data:`GRAPH_TIME_LIMIT`) and the graph solver's
     parameters. ``run(a_0, *shared)`` returns the loss computed under the plan; its backward delivers the
     gradients."""
     options = {key: value for key, value in options.items() if key not in ("optimizer", "lr")}  # (for updates)
-    if compile:
-        raise MemschedError("fit(..., graph=True) runs the graph executor, not torch.compile: drop compile=True")
-    if options.get("update", "after") != "after":
-        raise MemschedError("fit(..., graph=True) updates after the backward: drop update= (it is for chains)")
-    if options.pop("accumulate", 1) != 1:
-        raise MemschedError("fit(..., graph=True) plans a step that starts without gradients: drop accumulate= "
-                            "(gradient accumulation is planned for chains)")
-    options.pop("update", None)
     nodes = options.pop("nodes", GRAPH_NODES)
     time_limit = options.pop("time_limit", GRAPH_TIME_LIMIT)
     inputs = staged.example_inputs
@@ -108,16 +100,16 @@ class _Delivered(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def offer_graph(staged, chain, budget: int, solver: str, options: dict, least: int = None) -> None:
+def offer_graph(staged, chain, budget: int, solver: str, setup, least: int = None) -> None:
     """Raise a one-line :class:`MemschedError` naming ``fit(..., graph=True)`` when ``budget`` (bytes) is below
     the chain's least feasible one and the joint graph of the step meets it, or may (its least not proven
     within :data:`HINT_TIME_LIMIT`, its lower bound within the budget); otherwise (a step the graph capture cannot
-    take too) return, and the chain solver says what it says. Offloading (its solvers, host weights) and updates
-    in the backward are left to it. ``least``: the chain's least feasible budget (bytes) or, while some stages'
-    options are not measured yet, a lower bound of it (default: the chain's least as measured)."""
-    if solver in solvers.OFFLOAD_SOLVERS or options.get("weights") is not None or \
-            options.get("update", "after") != "after" or options.get("accumulate", 1) != 1 or \
-            budget >= solvers.store_all_peak(chain):
+    take too) return, and the chain solver says what it says. Offloading (its solvers, host weights), updates in
+    the backward and accumulation (``setup``, a :class:`planner.setup.TrainingSetup`) are left to it.
+    ``least``: the chain's least feasible budget (bytes) or, while some stages' options are not measured yet, a
+    lower bound of it (default: the chain's least as measured)."""
+    if solver in solvers.OFFLOAD_SOLVERS or setup.host_weights is not None or setup.update != "after" or \
+            setup.accumulate != 1 or budget >= solvers.store_all_peak(chain):
         return
     if solver in ("auto", "rotor", "hierarchical"):
         check_length(chain)

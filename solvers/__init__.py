@@ -18,16 +18,17 @@ import dataclasses
 import importlib
 import time
 
-from planner.accumulate import accumulating_chain, check_accumulate, check_mixes, held_gradient_bytes
+from planner.accumulate import accumulating_chain, check_accumulate, held_gradient_bytes
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.graph import Graph
 from planner.plan import Plan, Predicted
+from planner.setup import Run, TrainingSetup, check, lower
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.graph import GraphSimulator, store_all_graph_schedule
 from planner.units import format_bytes
-from planner.updates import check_channel, check_update, host_stages_of, updated_chain
+from planner.updates import check_channel, host_stages_of
 from solvers.checkmate import checkmate as _checkmate
 from solvers.checkmate import checkmate_lp as _checkmate_lp
 from solvers.checkmate import least_frontier_peak
@@ -78,29 +79,82 @@ def choose_solver(chain: Chain, budget: int) -> str:
     return "hierarchical" if chain.has_options else "rotor"
 
 
-def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update: str = "after", host_stages=None,
-          accumulate: int = 1, **params) -> Plan:
-    """The plan ``solver`` finds for ``chain`` within ``budget`` bytes, its figures from the simulator.
+def solve(chain: Chain, budget: int, solver: str = "auto", setup: TrainingSetup = None, **params) -> Plan:
+    """The plan ``solver`` finds for ``chain`` within ``budget`` bytes under ``setup``, its figures from the
+    simulator.
 
-    ``weights`` (``"all"`` or stage indices) puts those stages' parameters on the host (solvers/weights.py).
-    ``update`` (planner/updates.py): when the optimizer updates the parameters; other than ``"after"``, the plan
-    is solved on :func:`planner.updates.updated_chain` and records it (``"on-host"`` over ``transfer``, else the
-    chain's channel, for the stages ``host_stages``: every stage when None); its overhead is against the chain's
-    own step. ``accumulate`` above 1: gradients add up over that many micro-batches before the optimizer's step;
-    the plan is solved for the micro-batches after the first (planner/accumulate.py), the binding ones, and
-    records it.
-    Raises :class:`MemschedError` for an unknown solver or parameter, a budget
-    below the least memory any schedule needs (the message states it), or a
-    solver whose schedule does not fit.
+    Args:
+        chain: the chain as profiled.
+        budget: bytes for the whole step, the gradients that accumulation holds included.
+        solver: a name of :data:`SOLVER_NAMES` (``auto``: :func:`choose_solver`).
+        setup: the :class:`planner.setup.TrainingSetup` to plan for (default: the update after the backward, no
+            weights on the host, no accumulation). Its combinations are checked first
+            (:func:`planner.setup.check`); the chain is lowered through it (:func:`planner.setup.lower`), solved
+            within the budget less what the setup holds beside the step (accumulated gradients, the reserve of
+            weights on the host), and the plan records the setup against the chain's own fingerprint.
+        params: the solver's parameters (:func:`solvers.result.solver_params`); ``transfer``, the copy channel of
+            the offload solvers, of weights on the host and of the update ``on-host`` (else the chain's).
+
+    Returns:
+        The :class:`planner.plan.Plan`.
+
+    Raises:
+        MemschedError: an unknown solver or parameter, a setup whose parts do not mix, a budget below the least
+            memory any schedule needs (the message states it), or a solver whose schedule does not fit.
     """
     if solver not in SOLVER_NAMES:
         raise MemschedError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVER_NAMES)}")
-    if check_accumulate(accumulate) > 1:
-        return _solve_accumulating(chain, budget, solver, accumulate, weights, update, params)
-    if check_update(update) != "after":
-        return _solve_updating(chain, budget, solver, weights, update, host_stages, params)
+    setup = TrainingSetup() if setup is None else setup
+    offloading = solver in OFFLOAD_SOLVERS
+    check(setup, Run(transfers=offloading))
+    transfer = (params.get("transfer") if offloading else params.pop("transfer", None)) or chain.transfer
+    check_channel(setup.update, transfer)
+    weights = None if setup.host_weights is None else chosen_weight_stages(chain, setup.host_weights)
+    if weights is not None and (transfer is None or not transfer.usable):
+        raise MemschedError("weights on the host need a copy channel both ways: give --bandwidth (e.g. 16GB/s), "
+                            "or profile the chain on CUDA, which measures it")
+    lowered = lower(chain, setup, transfer)
+    reserve = 0 if weights is None else weight_reserve(chain, weights)
+    what, why = _beside_the_step(setup, lowered.held_bytes, weights, reserve)
+    rest = budget - lowered.held_bytes - reserve
+    if why and rest <= 0:
+        raise MemschedError(f"budget {format_bytes(budget)} does not hold {what}: {why}; raise the budget")
+    if weights is not None and solver == "auto" and chain.has_options:  # options run without transfers only
+        solver = "store_all" if rest >= store_all_peak(chain) else "rotor"
+    try:
+        plan = _solve_step(lowered.chain, rest, solver, params)
+    except MemschedError as exc:
+        if not why:
+            raise
+        raise MemschedError(f"{why}, leaving {format_bytes(rest)} of the budget {format_bytes(budget)} for the "
+                            f"rest of the step: {exc}") from None
     if weights is not None:
-        return _solve_with_host_weights(chain, budget, solver, weights, params)
+        plan = _with_host_weights(plan, chain, weights, transfer, budget)
+    return dataclasses.replace(
+        plan, fingerprint=chain.fingerprint(), budget_bytes=budget, update=setup.update,
+        host_stages=None if setup.host_stages is None else tuple(sorted(host_stages_of(chain, setup.update,
+                                                                                       setup.host_stages))),
+        transfer=plan.transfer or (transfer if setup.update == "on-host" else None),
+        accumulate=setup.accumulate, sizing=None if setup.sizing() == TrainingSetup().sizing() else setup.sizing(),
+        predicted=dataclasses.replace(plan.predicted, peak_bytes=plan.predicted.peak_bytes + lowered.held_bytes,
+                                      baseline_time=chain.compute_time))
+
+
+def _beside_the_step(setup: TrainingSetup, held: int, weights, reserve: int) -> tuple:
+    """``(what, why)``: what the setup holds beside the lowered step and why, in words for a refused budget
+    (empty when nothing)."""
+    if setup.accumulate > 1:
+        return "the gradients", (f"accumulating gradients over {setup.accumulate} micro-batches holds every gradient "
+                                 f"({format_bytes(held)}) from the second micro-batch's start")
+    if weights is not None:
+        return (f"the parameters of two host-weight stages ({format_bytes(reserve)})",
+                f"with the parameters of {len(weights)} stages on the host, {format_bytes(reserve)} is kept for the "
+                "stages' parameters on the device")
+    return "", ""
+
+
+def _solve_step(chain: Chain, budget: int, solver: str, params: dict) -> Plan:
+    """The plan ``solver`` finds for the (lowered) ``chain`` within ``budget`` bytes, checked by the simulator."""
     offloading = solver in OFFLOAD_SOLVERS
     if solver in ("auto", "rotor", "hierarchical"):  # before the least memory, which takes minutes on such a chain
         check_length(chain)
@@ -127,76 +181,19 @@ def solve(chain: Chain, budget: int, solver: str = "auto", weights=None, update:
     return _plan(chain, name, solution, elapsed, budget, result, transfer=transfer, measured_on=chain.measured_on)
 
 
-def _solve_updating(chain: Chain, budget: int, solver: str, weights, update: str, host_stages, params: dict) -> Plan:
-    """:func:`solve` of the chain that ``update`` makes of ``chain``, recorded as ``chain``'s plan."""
-    if weights is not None or solver in OFFLOAD_SOLVERS:
-        raise MemschedError(f"update {update!r} runs plans without transfers: drop --offload-weights and the "
-                            "offload solvers, or update after the backward")
-    transfer = params.pop("transfer", None) or chain.transfer
-    check_channel(update, transfer)
-    host = None if host_stages is None else tuple(sorted(host_stages_of(chain, update, host_stages)))
-    plan = solve(updated_chain(chain, update, transfer, host), budget, solver, **params)
-    return dataclasses.replace(plan, fingerprint=chain.fingerprint(), update=update, host_stages=host,
-                               transfer=transfer if update == "on-host" else None,
-                               predicted=dataclasses.replace(plan.predicted, baseline_time=chain.compute_time))
-
-
-def _solve_accumulating(chain: Chain, budget: int, solver: str, accumulate: int, weights, update: str,
-                        params: dict) -> Plan:
-    """:func:`solve` of :func:`planner.accumulate.accumulating_chain` within the budget less the gradients it holds,
-    recorded as ``chain``'s plan over ``accumulate`` micro-batches."""
-    check_mixes(accumulate, update=update, moves_data=weights is not None or solver in OFFLOAD_SOLVERS)
-    held = held_gradient_bytes(chain)
-    rest = budget - held
-    why = (f"accumulating gradients over {accumulate} micro-batches holds every gradient "
-           f"({format_bytes(held)}) from the second micro-batch's start")
-    if rest <= 0:
-        raise MemschedError(f"budget {format_bytes(budget)} does not hold the gradients: {why}; raise the budget")
-    try:
-        plan = solve(accumulating_chain(chain), rest, solver, **params)
-    except MemschedError as exc:
-        raise MemschedError(f"{why}, leaving {format_bytes(rest)} of the budget {format_bytes(budget)} for the "
-                            f"rest of the step: {exc}") from None
-    predicted = dataclasses.replace(plan.predicted, peak_bytes=plan.predicted.peak_bytes + held,
-                                    baseline_time=chain.compute_time)
-    return dataclasses.replace(plan, fingerprint=chain.fingerprint(), accumulate=accumulate, budget_bytes=budget,
-                               predicted=predicted)
-
-
-def _solve_with_host_weights(chain: Chain, budget: int, solver: str, weights, params: dict) -> Plan:
-    """:func:`solve` with the parameters of the ``weights`` stages on the host (solvers/weights.py): the rest is
-    solved within the budget less what those parameters can hold at once, then the weight and gradient
-    transfers are placed and the whole plan is simulated over the copy channel."""
-    stages = chosen_weight_stages(chain, weights)
-    transfer = params.get("transfer") if solver in OFFLOAD_SOLVERS else params.pop("transfer", None)
-    transfer = transfer or chain.transfer
-    if transfer is None or not transfer.usable:
-        raise MemschedError("weights on the host need a copy channel both ways: give --bandwidth (e.g. 16GB/s), "
-                            "or profile the chain on CUDA, which measures it")
-    reserve = weight_reserve(chain, stages)
-    rest = budget - reserve
-    if rest <= 0:
-        raise MemschedError(f"budget {format_bytes(budget)} does not hold the parameters of two host-weight stages "
-                            f"({format_bytes(reserve)}); raise the budget")
-    if solver == "auto" and chain.has_options:  # the executor runs stage options without transfers only
-        solver = "store_all" if rest >= store_all_peak(chain) else "rotor"
-    try:
-        inner = solve(chain, rest, solver, **params)
-    except MemschedError as exc:
-        raise MemschedError(f"with the parameters of {len(stages)} stages on the host, {format_bytes(rest)} of "
-                            f"the budget is left for the rest of the step ({format_bytes(reserve)} is kept for "
-                            f"the stages' parameters on the device): {exc}") from None
+def _with_host_weights(inner: Plan, chain: Chain, weights: tuple, transfer, budget: int) -> Plan:
+    """``inner`` (solved within the budget less the weights' reserve) with the weight and gradient transfers of the
+    ``weights`` stages placed (solvers/weights.py), the whole plan simulated over the copy channel."""
     started = time.perf_counter()
-    schedule = place_weight_transfers(inner.schedule, stages)
+    schedule = place_weight_transfers(inner.schedule, weights)
     result = simulate(chain, schedule, transfer)
     if result.peak_bytes > budget:  # the reserve bounds the weights; gradients leave before they pile up
         raise MemschedError(f"{inner.solver} with weights on the host peaks at {format_bytes(result.peak_bytes)}, "
                             f"above the budget {format_bytes(budget)}; raise the budget")
     return dataclasses.replace(
-        inner, params={**inner.params, "weights": list(stages)},
+        inner, params={**inner.params, "weights": list(weights)},
         solve_seconds=inner.solve_seconds + time.perf_counter() - started, optimal=False, gap=None,
-        budget_bytes=budget, predicted=dataclasses.replace(inner.predicted, peak_bytes=result.peak_bytes,
-                                                           time=result.time),
+        predicted=dataclasses.replace(inner.predicted, peak_bytes=result.peak_bytes, time=result.time),
         schedule=schedule, transfer=transfer)
 
 

@@ -1,20 +1,29 @@
 """Budgets of one chain: several solvers' overheads over evenly spaced budgets (``memsched pareto``), what a
-device's memory leaves for the step (``memsched memory``, ``--budget auto``), and what sets the least memory of
-a whole training step under each optimizer update (:func:`whole_step_floors`).
+device's memory leaves for the step under a training setup (:func:`budget_of`: ``memsched memory``, ``--budget
+auto``), the least budget a setup's step needs (:func:`least_budget`) and what sets the least memory of a whole
+training step under each optimizer update (:func:`whole_step_floors`). The floors, the budgets and the messages
+of a refused budget all come from :func:`least_budget` and :func:`planner.setup.training.activation_budget`, so
+they quote one figure for one setup.
 """
 
 import dataclasses
 from typing import NamedTuple, Optional
 
 from planner import render
-from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.errors import MemschedError
+from planner.setup import TrainingSetup, lower
+from planner.setup.training import (
+    activation_budget,
+    chain_gradient_bytes,
+    describe_auto_budget,
+    parameters_of,
+    resident_on_device,
+)
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
-from planner.training_setup import activation_budget, describe_auto_budget, parameters_of, setup_chain
 from planner.units import describe_bytes, parse_budget
-from planner.updates import UPDATES, updated_chain
-from solvers import solve, store_all_peak
+from planner.updates import UPDATES
+from solvers import OFFLOAD_SOLVERS, solve, store_all_peak
 from solvers.minimum import least_memory_schedule, minimum_budget
 
 CURVES = ("rotor", "sqrt", "store_all")
@@ -60,16 +69,32 @@ def overhead(chain, budget: int, solver: str, slots: int = None, transfer=None) 
     return plan.predicted.overhead
 
 
+def least_budget(chain, setup: TrainingSetup, solver: str = "auto") -> int:
+    """Bytes: the least budget :func:`solvers.solve` accepts for ``chain`` under ``setup`` with a recomputation
+    ``solver``: the least peak of the lowered step (stage options used by ``auto`` and ``hierarchical``) and what
+    the setup holds beside it (:func:`planner.setup.lower`). Weights on the host are left out (their reserve
+    depends on the stages chosen)."""
+    lowered = lower(chain, dataclasses.replace(setup, host_weights=None))
+    return lowered.held_bytes + minimum_budget(lowered.chain, options=solver in ("auto", "hierarchical"))
+
+
+def least_device_memory(chain, setup: TrainingSetup, solver: str = "auto") -> int:
+    """Bytes: the least device memory whose ``--budget auto`` (:func:`budget_of`) reaches :func:`least_budget`."""
+    extra = max(0, setup.gradient_bytes(parameters_of(chain)) - chain_gradient_bytes(chain))
+    return resident_on_device(chain, setup) + extra + least_budget(chain, setup, solver)
+
+
 def device_budget_report(chain, setup, device_memory: int, parameters: int) -> list:
     """The lines of the activation budget that ``device_memory`` bytes leave for ``chain``'s step under ``setup``
-    (:class:`planner.training_setup.TrainingSetup`), against its store-all peak and minimum feasible budget; a note
-    first when the chain counts other than ``parameters`` trainable parameters (not an fp32 profile)."""
+    (:class:`planner.setup.TrainingSetup`), against its store-all peak and least budget; a note first when the
+    chain counts other than ``parameters`` trainable parameters (not an fp32 model)."""
     lines = []
     if parameters_of(chain) != parameters:
         lines.append(f"note       the estimated chain's param_bytes / 4 count {parameters_of(chain)} parameters "
                      "(not an fp32 model?): the budget below is computed from those")
     budget = activation_budget(chain, setup, device_memory)
-    return lines + render.device_budget_lines(device_memory, budget, store_all_peak(chain), minimum_budget(chain))
+    return lines + render.device_budget_lines(device_memory, budget, store_all_peak(chain, setup.accumulate),
+                                              least_budget(chain, setup))
 
 
 class Floor(NamedTuple):
@@ -93,25 +118,27 @@ class Floor(NamedTuple):
         return self.resident + self.step
 
 
-def whole_step_floors(chain, setup) -> list:
+def whole_step_floors(chain, setup: TrainingSetup) -> list:
     """A :class:`Floor` per update of :data:`planner.updates.UPDATES` for ``chain`` trained with ``setup``'s
-    optimizer, precision and ZeRO stage (its own update ignored): the least budget of
-    :func:`planner.training_setup.setup_chain` (stage options used) plus what the update leaves resident."""
+    optimizer, precision and ZeRO stage (its own update ignored; on the host, every stage): its ``total`` is
+    :func:`least_device_memory`, the least memory ``solve --budget auto`` accepts (stage options used)."""
     parameters = parameters_of(chain)
     floors, steps = [], {}
     for update in UPDATES:
-        trained = dataclasses.replace(setup, update=update)
+        trained = dataclasses.replace(setup, update=update, host_stages=None, host_weights=None)
         parts = trained.resident_parts(parameters)
+        extra = max(0, trained.gradient_bytes(parameters) - chain_gradient_bytes(chain))
         # on the host the step's bytes are in-backward's (its copies take time only): one least schedule for both
         kind = "after" if update == "after" else "in-backward"
         if kind not in steps:
-            problem = setup_chain(chain, trained)
+            problem = lower(chain, trained).chain
             result = ChainSimulator(problem).run(least_memory_schedule(problem, options=True))
             peak = max(result.timeline, key=lambda step: step.peak)
             done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
             steps[kind] = (result.peak_bytes, _working_set(problem, peak.op),
                            sum(problem.stages[k].param_bytes for k in done))
-        floors.append(Floor(update, parts, *steps[kind]))
+        step, at, gradients = steps[kind]
+        floors.append(Floor(update, parts, step + extra, at, gradients))
     return floors
 
 
@@ -123,63 +150,59 @@ def _working_set(chain, op) -> str:
     return f"{op} ({chain.stages[op.stage].name}'s working set)"
 
 
-def solve_within(chain, budget: int, solver: str, how: str = None, **options):
-    """:func:`solvers.solve`; for a budget that a device's memory left (``how``: how, from
-    :func:`planner.training_setup.describe_auto_budget`), a budget below the minimum feasible one is refused in
-    one line that says so."""
+def solve_within(chain, budget: int, solver: str, setup: TrainingSetup, how: str = None, **params):
+    """:func:`solvers.solve`; for a budget that a device's memory left (``how``: how, from :func:`budget_of`), a
+    budget below :func:`least_budget` is refused in one line that says so and names the least device memory."""
     try:
-        return solve(chain, budget, solver, **options)
+        return solve(chain, budget, solver, setup, **params)
     except MemschedError:
-        least = None
-        if how and options.get("accumulate", 1) > 1:  # every gradient held, beside the accumulating step's least
-            least = held_gradient_bytes(chain) + minimum_budget(accumulating_chain(chain))
-        elif how:
-            least = minimum_budget(updated_chain(chain, options.get("update", "after")))
-        if least is not None and budget < least:
-            raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
-                                f"{describe_bytes(least)} for chain {chain.name!r} ({how}): "
-                                "use a device with more memory, more ranks or a higher ZeRO stage") from None
+        if how and setup.host_weights is None and solver not in OFFLOAD_SOLVERS:
+            least = least_budget(chain, setup, solver)
+            if budget < least:
+                device = least_device_memory(chain, setup, solver)
+                raise MemschedError(f"--budget auto leaves {describe_bytes(budget)}, below the minimum feasible "
+                                    f"{describe_bytes(least)} for chain {chain.name!r} ({how}); the least device "
+                                    f"memory for this setup is {describe_bytes(device)}: use a device with more "
+                                    "memory, more ranks or a higher ZeRO stage") from None
         raise
 
 
-def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None, setup=None, update: str = "after",
-                     **options) -> tuple:
-    """``(plan, how)``: :func:`solve_within` at ``budget`` as :func:`chain_budget` reads it (``setup`` with
-    ``update``), ``how`` saying how ``--budget auto`` came about (None otherwise).
+def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, device_memory: int = None,
+                     update_auto: bool = False, **params) -> tuple:
+    """``(plan, how)``: :func:`solve_within` at ``budget`` as :func:`budget_of` reads it under ``setup``, ``how``
+    saying how ``--budget auto`` came about (None otherwise).
 
-    ``update="auto"`` (with ``--budget auto``: the resident state differs between updates) solves for each of
-    :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host`` only over a usable
-    channel, ``transfer`` or the chain's: on the host the largest 1, 2, ... stages, then every stage, the others
-    updating on the device) and keeps the fastest predicted plan (the first on a tie: after the backward, then in
-    it), saying what each update's fastest took. Which stages go to the host is a heuristic: a stage's copies
-    and its resident state are both in proportion to its parameters, and the largest first moves the most per
-    copy."""
-    if update != "auto":
-        trained = None if setup is None else dataclasses.replace(setup, update=update)
-        amount, how = chain_budget(chain, budget, device_memory, trained, options.get("host_stages"),
-                                   options.get("accumulate", 1))
-        return solve_within(chain, amount, solver, how, update=update, **options), how
+    ``update_auto`` (``--update auto``, with ``--budget auto``: the resident state differs between updates)
+    solves for each of :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host`` only
+    over a usable channel, ``transfer`` or the chain's: on the host the largest 1, 2, ... stages, then every
+    stage, the others updating on the device) and keeps the fastest predicted plan (the first on a tie: after
+    the backward, then in it), saying what each update's fastest took. Which stages go to the host is a
+    heuristic: a stage's copies and its resident state are both in proportion to its parameters, and the
+    largest first moves the most per copy."""
+    if not update_auto:
+        amount, how = budget_of(chain, budget, setup, device_memory)
+        return solve_within(chain, amount, solver, setup, how, **params), how
     if budget != "auto" or device_memory is None:
         raise MemschedError("--update auto compares whole steps, whose resident state differs by update: give "
                             "--budget auto and --device-memory")
-    transfer = options.pop("transfer", None) or chain.transfer
-    candidates = [("after", {}), ("in-backward", {})]
+    transfer = params.pop("transfer", None) or chain.transfer
+    candidates = [(dataclasses.replace(setup, update=update), {}) for update in ("after", "in-backward")]
     if transfer is not None and transfer.usable:  # the largest stages first: the most state moved per copy
         by_size = sorted((k for k, stage in enumerate(chain.stages) if stage.param_bytes),
                          key=lambda k: -chain.stages[k].param_bytes)
-        candidates += [("on-host", dict(transfer=transfer, host_stages=tuple(sorted(by_size[:n]))))
-                       for n in range(1, len(by_size))] + [("on-host", dict(transfer=transfer))]
+        candidates += [(dataclasses.replace(setup, update="on-host", host_stages=hosted), dict(transfer=transfer))
+                       for hosted in [tuple(sorted(by_size[:n])) for n in range(1, len(by_size))] + [None]]
     best, times = None, {}  # update -> its fastest plan's predicted seconds (None: none fits)
     for each, given in candidates:
         try:
-            plan, how = solve_for_budget(chain, budget, solver, device_memory, setup, each, **options, **given)
+            plan, how = solve_for_budget(chain, budget, solver, each, device_memory, **params, **given)
         except MemschedError:
-            times.setdefault(each, None)
+            times.setdefault(each.update, None)
             continue
         if best is None or plan.predicted.time < best[0].predicted.time:
             best = (plan, how)
-        if times.get(each) is None or plan.predicted.time < times[each]:
-            times[each] = plan.predicted.time
+        if times.get(each.update) is None or plan.predicted.time < times[each.update]:
+            times[each.update] = plan.predicted.time
     said = ", ".join(f"{each} " + ("does not fit" if seconds is None else f"{seconds:.4g} s")
                      for each, seconds in times.items())
     if transfer is None or not transfer.usable:
@@ -190,19 +213,17 @@ def solve_for_budget(chain, budget: str, solver: str, device_memory: int = None,
     return best[0], f"{best[1]}; update {best[0].update}, the fastest predicted ({said})"
 
 
-def chain_budget(chain, budget: str, device_memory: int = None, setup=None, host_stages=None,
-                 accumulate: int = 1) -> tuple:
+def budget_of(chain, budget: str, setup: TrainingSetup, device_memory: int = None) -> tuple:
     """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
-    peak (over ``accumulate`` micro-batches: :func:`solvers.store_all_peak`), and None; for ``"auto"``, the
-    activation budget that ``device_memory`` bytes leave under ``setup`` (a
-    :class:`planner.training_setup.TrainingSetup`) and how, in words."""
+    peak (over ``setup.accumulate`` micro-batches: :func:`solvers.store_all_peak`), and None; for ``"auto"``, the
+    activation budget that ``device_memory`` bytes leave under ``setup`` and how, in words."""
     if budget != "auto":
-        return parse_budget(budget, store_all_peak(chain, accumulate)), None
+        return parse_budget(budget, store_all_peak(chain, setup.accumulate)), None
     if device_memory is None:
         raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
                             "(e.g. 80GiB)")
-    return (activation_budget(chain, setup, device_memory, host_stages),
-            describe_auto_budget(chain, setup, device_memory, host_stages))
+    return (activation_budget(chain, setup, device_memory),
+            describe_auto_budget(chain, setup, device_memory))
 
 
 def solved_lines(plan, solver: str, chain, how: str = None) -> list:

@@ -2,7 +2,7 @@
 
 Input: a chain profile (one micro-batch), ``P`` devices of ``memory`` bytes each, ``m`` micro-batches, the
 schedule (``1f1b`` or ``gpipe``), the activation channel between neighbours and the training setup
-(planner.training_setup.TrainingSetup). Output (:func:`partition`): a plan of kind ``pipeline``, per device its
+(planner.setup.training.TrainingSetup). Output (:func:`partition`): a plan of kind ``pipeline``, per device its
 stages ``[first, last)`` and its own schedule (store-all, the least-memory schedule or Rotor's, judged by the
 exact device peak of planner/simulate/pipeline.py). :func:`solve_partition` is exact: a min-sum dynamic program
 per candidate bottleneck ``β``. An infeasible problem is a one-line :class:`MemschedError` with the smallest
@@ -18,6 +18,7 @@ import numpy as np
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted, check_micro_batches
+from planner.setup.training import TrainingSetup
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.pipeline import (
     PIPELINE_SCHEDULES,
@@ -34,7 +35,6 @@ from planner.simulate.pipeline import (
     sync_seconds,
     to_global,
 )
-from planner.training_setup import TrainingSetup
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
 from solvers.minimum import least_memory_schedule, minimum_budget

@@ -23,10 +23,10 @@ from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.plan import Plan, load_plan, save_plan
+from planner.setup.training import TrainingSetup, parameters_of
 from planner.shared import SharedParameter
 from planner.simulate import micro_batch_peaks, simulate
 from planner.simulate.chain import ChainSimulator
-from planner.training_setup import TrainingSetup, parameters_of
 from profiles.memory import storage_bytes
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak
@@ -83,7 +83,7 @@ def test_a_plan_records_accumulate_simulates_through_it_and_fits_its_budget(tmp_
     chain = random_chain(8, seed=3, tmp=True, params=True)
     held = held_gradient_bytes(chain)
     budget = (held + minimum_budget(accumulating_chain(chain)) + store_all_peak(chain, MICRO_BATCHES)) // 2
-    plan = solve(chain, budget, "rotor", accumulate=MICRO_BATCHES)
+    plan = solve(chain, budget, "rotor", setup=TrainingSetup(accumulate=MICRO_BATCHES))
     assert plan.accumulate == MICRO_BATCHES and plan.fingerprint == chain.fingerprint()
     assert plan.budget_bytes == budget and plan.recomputed_forwards > 0
     assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes <= budget
@@ -99,27 +99,28 @@ def test_a_plan_records_accumulate_simulates_through_it_and_fits_its_budget(tmp_
 
 def test_a_budget_given_as_a_percentage_or_left_by_a_device_is_the_accumulating_steps():
     chain = random_chain(8, seed=3, tmp=True, params=True)
-    plan, _ = solve_for_budget(chain, "80%", "rotor", accumulate=MICRO_BATCHES)
+    plan, _ = solve_for_budget(chain, "80%", "rotor", TrainingSetup(accumulate=MICRO_BATCHES))
     assert plan.budget_bytes == int(0.8 * store_all_peak(chain, MICRO_BATCHES)) > 0.8 * store_all_peak(chain)
     least = held_gradient_bytes(chain) + minimum_budget(accumulating_chain(chain))
-    setup = TrainingSetup(optimizer="sgd")
+    setup = TrainingSetup(optimizer="sgd", accumulate=MICRO_BATCHES)
     device = least - 1 + setup.resident_bytes(parameters_of(chain))  # one byte short of the accumulating floor
     with pytest.raises(MemschedError, match=f"--budget auto leaves .* below the minimum feasible .*{least} bytes"):
-        solve_for_budget(chain, "auto", "rotor", device, setup, accumulate=MICRO_BATCHES)
+        solve_for_budget(chain, "auto", "rotor", setup, device)
 
 
 def test_what_accumulation_does_not_mix_with_is_refused_in_one_line():
     chain = _two_stages()
-    data = solve(chain, 300, "rotor", accumulate=2).to_dict()
+    data = solve(chain, 300, "rotor", setup=TrainingSetup(accumulate=2)).to_dict()
     cases = [
         (lambda: Plan.from_dict({**data, "accumulate": 0}), "accumulate: the micro-batches .* got 0"),
         (lambda: Plan.from_dict({**data, "accumulate": True}), "got True"),
-        (lambda: Plan.from_dict({**data, "update": "in-backward"}), "does not mix with update 'in-backward'"),
-        (lambda: solve(chain, 300, "rotor", accumulate=2, update="in-backward"), "does not mix with update"),
-        (lambda: solve(chain, 300, "offload", accumulate=2), "does not mix with offloading"),
-        (lambda: solve(chain, 100, "rotor", accumulate=2), r"budget 100 B does not hold the gradients"),
-        (lambda: solve(chain, 150, "rotor", accumulate=2), "leaving 42 B of the budget 150 B for the rest of the "
-                                                           "step: budget 42 B .* is below the minimum feasible"),
+        (lambda: Plan.from_dict({**data, "update": "in-backward"}), "does not mix with --update in-backward"),
+        (lambda: solve(chain, 300, "rotor", TrainingSetup(accumulate=2, update="in-backward")),
+         "does not mix with --update"),
+        (lambda: solve(chain, 300, "offload", TrainingSetup(accumulate=2)), "does not mix with offloading"),
+        (lambda: solve(chain, 100, "rotor", TrainingSetup(accumulate=2)), r"budget 100 B does not hold the gradients"),
+        (lambda: solve(chain, 150, "rotor", TrainingSetup(accumulate=2)),
+         "leaving 42 B of the budget 150 B for the rest of the step: budget 42 B .* is below the minimum feasible"),
     ]
     for call, message in cases:
         with pytest.raises(MemschedError, match=message) as error:
@@ -204,13 +205,13 @@ def test_an_accumulating_plan_runs_eagerly():
     from planner import fit
 
     model, batch, _ = MODELS["llama"]()
-    with pytest.raises(MemschedError, match="does not mix with --compile") as error:
+    with pytest.raises(MemschedError, match="accumulate=2 does not mix with compile=True") as error:
         fit(model, batch, "50%", accumulate=2, compile=True)
     assert "\n" not in str(error.value)
     with pytest.raises(MemschedError, match="fit accumulate: .* got 0"):
         fit(model, batch, "50%", accumulate=0)
     chain = _two_stages()
-    plan = solve(chain, 300, "rotor", accumulate=2)
+    plan = solve(chain, 300, "rotor", setup=TrainingSetup(accumulate=2))
     stages = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     with pytest.raises(MemschedError, match="does not mix with --compile"):
         apply_plan(stages, plan, compile=True)
@@ -243,7 +244,7 @@ def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(c
 
 @pytest.mark.parametrize("extra, message", [
     (["--plan", "plan.json"], "--accumulate are for solving: drop them with --plan"),
-    (["--graph"], "--accumulate is for chain plans"),
+    (["--graph"], "--accumulate 2 does not mix with --graph"),
     (["--dp", "2"], "drop --accumulate"),
 ])
 def test_train_refuses_accumulate_with_what_it_does_not_mix_with(capsys, extra, message):

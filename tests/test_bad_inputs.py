@@ -22,6 +22,7 @@ import solvers
 from planner import Chain, MemschedError, simulate
 from planner.graph import Graph
 from planner.ops import Op
+from planner.setup import TrainingSetup
 from planner.simulate import check_plan_schedules, check_schedule
 from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
@@ -403,8 +404,9 @@ def test_every_solver_schedule_passes_the_check_without_the_chain(seed):
             params["time_limit"] = 2
         for weights in (None, [1, 3]):
             try:
-                plan = solvers.solve(chain, budget if name != "store_all" else 10**12, name, weights=weights,
-                                     **params, **({} if weights is None or params else {"transfer": channel}))
+                channel_given = {} if weights is None or params else {"transfer": channel}
+                plan = solvers.solve(chain, budget if name != "store_all" else 10**12, name,
+                                     TrainingSetup(host_weights=weights), **params, **channel_given)
             except MemschedError:  # no schedule of this solver within the budget
                 continue
             check_schedule(plan.schedule, chain.length)

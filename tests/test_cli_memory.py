@@ -7,7 +7,7 @@ import pytest
 import cli
 import solvers
 from planner import load_chain, load_plan, save_chain
-from planner.training_setup import TrainingSetup, activation_budget, parameters_of
+from planner.setup.training import TrainingSetup, activation_budget, parameters_of
 from profiles.synthetic import random_chain
 
 ROOT = Path(__file__).resolve().parent.parent

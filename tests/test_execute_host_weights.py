@@ -22,6 +22,7 @@ from planner import MemschedError, Op, simulate
 from planner.execute.chain import apply_plan
 from planner.execute.offload import live_copies
 from planner.ops import TRANSFER_OPS, host_weight_stages
+from planner.setup import TrainingSetup
 from solvers import solve, store_all_peak
 from solvers.minimum import minimum_budget
 from test_execute_chain import SEED, SMALL, clear_grads, grads, parameters, plain_forward, profiled_models
@@ -153,7 +154,8 @@ def test_a_plan_of_the_weight_solver(models, name, solver):
     runs as the hand-built ones."""
     original, chain, loss, reference = models[name]
     try:
-        plan = solve(chain, int(0.6 * store_all_peak(chain)), solver, weights="all", transfer=CHANNEL)
+        plan = solve(chain, int(0.6 * store_all_peak(chain)), solver, TrainingSetup(host_weights="all"),
+                     transfer=CHANNEL)
     except (MemschedError, TypeError) as exc:  # the solver is another piece of work: its absence is not ours
         pytest.skip(f"{solver} with weights='all': {exc}")
     assert host_weight_stages(plan.schedule) == trainable(chain)

@@ -172,8 +172,9 @@ def test_graph_fitted_training_follows_the_unmodified_model(case):
 def test_graph_fit_refuses_what_it_cannot_do_in_one_line():
     torch.manual_seed(0)
     model, x = Summed(blocks=2), torch.randn(8, 16)
-    assert "drop compile=True" in one_line_error(model, x, "50%", graph=True, compile=True)
-    assert "drop update=" in one_line_error(model, x, "50%", graph=True, update="in-backward")
+    assert "compile=True does not mix with graph=True" in one_line_error(model, x, "50%", graph=True, compile=True)
+    assert "update='in-backward' does not mix with graph=True" in one_line_error(model, x, "50%", graph=True,
+                                                                                 update="in-backward")
     message = one_line_error(model, x, 1024, graph=True, **QUICK)  # below what any schedule of the graph needs
     assert "Summed on the joint graph (whose bytes count the parameters and buffers" in message
     assert "the least memory any schedule" in message

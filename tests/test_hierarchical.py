@@ -12,6 +12,7 @@ from planner.chain import Chain, Stage, StageOption
 from planner.errors import MemschedError
 from planner.ops import Op
 from planner.plan import load_plan, save_plan
+from planner.setup import TrainingSetup
 from planner.simulate import check_schedule, simulate
 from profiles.synthetic import random_chain
 from solvers import solve, store_all_peak
@@ -159,7 +160,7 @@ def test_auto_with_host_weights_keeps_stages_whole():
     chain = random_chain(6, 1, tmp=True, params=True, options=3)
     chain = Chain(name=chain.name, device=chain.device, input_bytes=chain.input_bytes, stages=chain.stages,
                   loss=chain.loss, transfer=Transfer(1e9, 1e-5))
-    plan = solve(chain, (minimum_budget(chain) + store_all_peak(chain)) // 2, "auto", weights="all")
+    plan = solve(chain, (minimum_budget(chain) + store_all_peak(chain)) // 2, "auto", TrainingSetup(host_weights="all"))
     assert plan.solver == "rotor" and not any(op.option is not None for op in plan.schedule)
 
 

@@ -12,6 +12,7 @@ from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
 from planner.plan import Plan
+from planner.setup.training import TrainingSetup, parameters_of
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.pipeline import (
@@ -24,7 +25,6 @@ from planner.simulate.pipeline import (
     step_peak,
     sub_chain,
 )
-from planner.training_setup import TrainingSetup, setup_chain
 from profiles.synthetic import random_chain
 from solvers.extremes import store_all_schedule
 from solvers.minimum import minimum_budget
@@ -242,7 +242,11 @@ def test_one_device_one_micro_batch_is_the_chain_step():
         plan = partition(chain, 1, 10**15, 1, setup=setup)
         assert plan.predicted.time == chain.compute_time
         parameters = -(-sum(s.param_bytes for s in chain.stages) // 4)
-        single = ChainSimulator(setup_chain(chain, setup)).run(store_all_schedule(5))
+        scale = setup.gradient_bytes(parameters_of(chain)), sum(stage.param_bytes for stage in chain.stages)
+        scaled = dataclasses.replace(chain, stages=tuple(  # the setup's gradients, as each device counts them
+            dataclasses.replace(stage, param_bytes=-(-stage.param_bytes * scale[0] // scale[1]))
+            for stage in chain.stages))
+        single = ChainSimulator(scaled).run(store_all_schedule(5))
         # the engine holds the device's output a_5 through the backwards of the stages before the last
         held = [step.peak + (chain.act_bytes(5) if step.op.kind == "B" and step.op.stage < 4 else 0)
                 for step in single.timeline]

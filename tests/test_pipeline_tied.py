@@ -21,10 +21,10 @@ import torch
 from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, load_chain, save_chain
+from planner.setup.training import TrainingSetup
 from planner.shared import SharedParameter
 from planner.simulate import simulate
 from planner.simulate.pipeline import device_state, transfer_seconds
-from planner.training_setup import TrainingSetup
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model

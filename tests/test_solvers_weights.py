@@ -7,6 +7,7 @@ import solvers
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
 from planner.ops import Op
+from planner.setup import TrainingSetup
 from planner.simulate import simulate
 from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
@@ -89,7 +90,7 @@ def test_solve_with_host_weights_fits_and_moves_only_the_stages_asked():
     transfer = Transfer(5e9, 5e9, 1e-5)
     budget = int(0.6 * solvers.store_all_peak(chain))
     for solver, params in (("rotor", {}), ("pofo", {"time_limit": 0}), ("offload_greedy", {})):
-        plan = solvers.solve(chain, budget, solver, weights="1,3", transfer=transfer, **params)
+        plan = solvers.solve(chain, budget, solver, TrainingSetup(host_weights="1,3"), transfer=transfer, **params)
         assert plan.predicted.peak_bytes <= budget and not plan.optimal
         assert {op.stage for op in plan.schedule if op.what == "weights"} == {1, 3}
         assert plan.params["weights"] == [1, 3] and plan.transfer == transfer
@@ -108,9 +109,9 @@ def test_weight_arguments_are_checked():
     with pytest.raises(MemschedError, match="none of the stages chosen has parameters"):
         chosen_weight_stages(no_params, "all")
     with pytest.raises(MemschedError, match="needs? a copy channel|copy channel both ways"):
-        solvers.solve(chain, solvers.store_all_peak(chain), "rotor", weights="all")
+        solvers.solve(chain, solvers.store_all_peak(chain), "rotor", TrainingSetup(host_weights="all"))
     with pytest.raises(MemschedError, match="does not hold the parameters of two host-weight stages"):
-        solvers.solve(chain, 10, "rotor", weights="all", transfer=Transfer(1e9, 1e9))
+        solvers.solve(chain, 10, "rotor", TrainingSetup(host_weights="all"), transfer=Transfer(1e9, 1e9))
 
 
 def test_command_line(capsys, tmp_path):

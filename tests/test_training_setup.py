@@ -1,13 +1,10 @@
-"""planner/training_setup.py: bytes per parameter, ZeRO sharding and the activation budget, by hand."""
+"""planner/setup/training.py: bytes per parameter, ZeRO sharding and the activation budget, by hand."""
 
 import pytest
 
-import solvers
-from planner import simulate
 from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.training_setup import OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of, setup_chain
-from profiles.synthetic import random_chain
+from planner.setup.training import OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of
 
 # (params, grads, master) by precision; optimizer state by optimizer; unsharded bytes per parameter.
 PRECISION_TABLE = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4)}
@@ -139,15 +136,3 @@ def test_no_memory_left_is_one_line_naming_the_numbers():
         activation_budget(chain, TrainingSetup("adam"), 0)
 
 
-def test_setup_chain_scales_the_gradients_and_never_raises_a_peak():
-    chain = random_chain(10, seed=3, tmp=True, params=True)
-    parameters = parameters_of(chain)
-    for setup in (TrainingSetup("adam", "bf16"), TrainingSetup("adam", "fp32", 2, 8), TrainingSetup("adam")):
-        scaled = setup_chain(chain, setup)
-        total = sum(stage.param_bytes for stage in scaled.stages)
-        assert setup.gradient_bytes(parameters) <= total <= setup.gradient_bytes(parameters) + len(chain.stages)
-        budget = solvers.store_all_peak(chain) * 6 // 10
-        plan = solvers.solve(chain, budget, "rotor")
-        # The same schedule replayed with the setup's (smaller) gradients peaks no higher: the budget that
-        # activation_budget gives for the unmodified chain is safe.
-        assert simulate(scaled, plan.schedule).peak_bytes <= plan.predicted.peak_bytes <= budget

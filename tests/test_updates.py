@@ -23,9 +23,9 @@ from planner.execute.chain import apply_plan
 from planner.execute.stages import default_loss, run_stages, trainable_parameters
 from planner.execute.updates import MOMENTUM, StageUpdates
 from planner.plan import Plan, load_plan, save_plan
+from planner.setup.training import TrainingSetup, device_parameters, parameters_of
 from planner.shared import SharedParameter
 from planner.simulate import simulate
-from planner.training_setup import TrainingSetup, device_parameters, parameters_of
 from planner.transfer import Transfer
 from planner.updates import updated_chain
 from profiles.chain_profiler import profile_chain
@@ -78,14 +78,14 @@ def test_on_host_adds_the_copies_over_the_channel():
     assert updated.stages[0].bwd_time == pytest.approx(2.0 + copies)
     assert updated.stages[1].bwd_time == 2.0  # nothing to copy
     with pytest.raises(MemschedError, match="copy channel"):
-        solve(chain, 10**6, "rotor", update="on-host")
+        solve(chain, 10**6, "rotor", TrainingSetup(update="on-host"))
 
 
 def test_a_plan_records_its_update_and_simulates_with_it(tmp_path):
     chain = _chain([1000, 800, 600])
     least = minimum_budget(updated_chain(chain, "in-backward"))
     assert least < minimum_budget(chain)
-    plan = solve(chain, least, "rotor", update="in-backward")
+    plan = solve(chain, least, "rotor", TrainingSetup(update="in-backward"))
     assert plan.update == "in-backward" and plan.fingerprint == chain.fingerprint()
     assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes <= least
     save_plan(plan, tmp_path / "p.json")
@@ -147,7 +147,8 @@ def test_measured_peak_is_the_predicted_one(spec, update, threads):
     chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, warmup=0, repeats=1,
                           options=0)
     chain = dataclasses.replace(chain, transfer=CHANNEL)
-    plan = solve(chain, minimum_budget(updated_chain(chain, update)), "rotor", update=update)  # the floor
+    # the floor
+    plan = solve(chain, minimum_budget(updated_chain(chain, update)), "rotor", TrainingSetup(update=update))
     measured = [m.peak_bytes for m in train_chain_plan(staged, plan, chain, 2).planned]
     for peak in measured:
         assert abs(peak / plan.predicted.peak_bytes - 1) < 0.01, (measured, plan.predicted.peak_bytes)
@@ -167,7 +168,7 @@ def test_three_steps_train_as_the_unmodified_step(optimizer, update):
     chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=staged.loss_fn, warmup=0, repeats=1,
                           options=0)
     chain = dataclasses.replace(chain, transfer=CHANNEL)
-    plan = solve(chain, minimum_budget(updated_chain(chain, update)), "rotor", update=update)
+    plan = solve(chain, minimum_budget(updated_chain(chain, update)), "rotor", TrainingSetup(update=update))
     reference = copy.deepcopy(staged.stages)
     lr = 0.05 if optimizer in ("sgd", "momentum") else 0.01
     planned = apply_plan(staged.stages, plan, chain, optimizer=optimizer, lr=lr)
@@ -197,7 +198,8 @@ def test_three_steps_train_as_the_unmodified_step(optimizer, update):
 def test_gradients_accumulated_over_backwards_are_refused():
     staged = MODELS["mlp"](layers=3, width=16, batch=4)
     chain = profile_chain(staged.stages, staged.example_inputs, warmup=0, repeats=1, options=0)
-    planned = apply_plan(staged.stages, solve(chain, minimum_budget(chain), "rotor", update="in-backward"), chain)
+    plan = solve(chain, minimum_budget(chain), "rotor", TrainingSetup(update="in-backward"))
+    planned = apply_plan(staged.stages, plan, chain)
     next(planned.parameters()).grad = torch.ones_like(next(planned.parameters()))
     with pytest.raises(MemschedError, match="gradients accumulated over several backwards"):
         default_loss(planned(*staged.example_inputs)).backward()
@@ -271,7 +273,7 @@ def test_clipping_the_global_norm_runs_after_the_backward_and_is_refused_inside_
                 max_grad_norm=1.0)
     assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--update", "in-backward",
                      "--max-grad-norm", "1", "--steps", "1"]) == 2
-    assert "cannot honour it" in capsys.readouterr().err
+    assert "--update in-backward does not mix with --max-grad-norm" in capsys.readouterr().err
     assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--max-grad-norm", "0"]) == 2
     assert "--max-grad-norm must be a positive, finite number, got 0.0" in capsys.readouterr().err
 
@@ -287,7 +289,7 @@ def test_some_stages_on_the_host_are_simulated_recorded_and_run_as_predicted(thr
     some, every = (updated_chain(chain, "on-host", host=h) for h in (host, None))
     copies = [b.bwd_time - a.bwd_time for a, b in zip(some.stages, every.stages)]
     assert all((c == 0) == (k in host or not chain.stages[k].param_bytes) for k, c in enumerate(copies))
-    plan = solve(chain, minimum_budget(some), "rotor", update="on-host", host_stages=host)
+    plan = solve(chain, minimum_budget(some), "rotor", TrainingSetup(update="on-host", host_stages=host))
     save_plan(plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json").host_stages == host
     assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes
@@ -310,7 +312,7 @@ def test_update_auto_puts_on_the_host_only_the_stages_that_pay_for_their_copies(
     chain = dataclasses.replace(_chain([4000, 4000, 4000, 4000]),
                                 transfer=Transfer(d2h_bandwidth=2000.0, h2d_bandwidth=2000.0))
     floors = {f.update: f.total for f in whole_step_floors(chain, TrainingSetup("adam"))}
-    plan, how = solve_for_budget(chain, "auto", "rotor", floors["in-backward"] - 1, TrainingSetup("adam"), "auto")
+    plan, how = solve_for_budget(chain, "auto", "rotor", TrainingSetup("adam"), floors["in-backward"] - 1, True)
     assert plan.update == "on-host" and len(plan.host_stages) == 1, how
     assert "after does not fit, in-backward does not fit, on-host" in how and "for 1 of 4 stages" in how
 

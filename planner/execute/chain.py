@@ -13,7 +13,6 @@ trees of tensors. Hold no reference to the returned output across ``backward()``
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from planner.accumulate import check_mixes
 from planner.errors import MemschedError
 from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
 from planner.execute.fusion import fused_positions, output_releases
@@ -27,6 +26,7 @@ from planner.execute.updates import StageUpdates
 from planner.measured_on import record_of
 from planner.ops import FORWARD_OPS, TRANSFER_OPS, chosen_options, planned_stages
 from planner.plan import Plan, check_plan_matches
+from planner.setup import Run, TrainingSetup, check
 from planner.simulate import check_schedule
 
 
@@ -57,18 +57,9 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     if missing:
         raise MemschedError(f"the schedule runs stage {missing[0]} with one of its options, whose kept results "
                             "only its chain knows; apply the plan with its chain (--chain)")
-    if recomputes and any(op.kind in TRANSFER_OPS for op in schedule):
-        raise MemschedError("a schedule with transfers runs every stage whole: stage options and offloading "
-                            "do not mix; solve with --solver hierarchical or an offload solver, not both")
-    if compile and any(op.kind in TRANSFER_OPS for op in schedule):
-        raise MemschedError("--compile runs plans without transfers (offloading runs eagerly); drop one of them")
-    if zero is not None and (compile or update is not None or recomputes or any(op.kind in TRANSFER_OPS
-                                                                               for op in schedule)):
-        raise MemschedError("a sharded run (--dp) runs plans eagerly, without transfers, stage options or an "
-                            "update inside the backward")
-    if update is not None and (compile or any(op.kind in TRANSFER_OPS for op in schedule)):
-        raise MemschedError(f"update {update[0]!r} runs plans eagerly and without transfers: drop --compile, or "
-                            "solve without offloading")
+    updating = TrainingSetup() if update is None else TrainingSetup(update=update[0], host_stages=update[3])
+    check(updating, Run(transfers=any(op.kind in TRANSFER_OPS for op in schedule), compile=compile,
+                        options=bool(recomputes), sharded=zero is not None))
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse and update is None and zero is None, measured_on, source,
@@ -111,7 +102,7 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
     update = None if plan.update == "after" else (plan.update, optimizer, lr, plan.host_stages)
-    check_mixes(plan.accumulate, compile=compile)
+    check(plan.setup, Run(transfers=plan.moves_data, compile=compile, options=bool(recomputes)))
     return apply_schedule(pairs, plan.schedule, fuse and plan.accumulate == 1, measured, source, recomputes, compile,
                           update)
 
@@ -122,6 +113,10 @@ def _stage_count(schedule, pairs) -> int:
         raise MemschedError(f"the plan schedules {planned} stages but {len(pairs)} were given; solve again for "
                             "this model")
     return planned
+
+
+# The step loop of a plan: (its schedule moves data, its stages are sharded) -> the run of one step.
+_STEP_RUNS = {(False, False): StepRun, (True, False): OffloadStepRun, (False, True): ShardedStepRun}
 
 
 class PlannedChain(torch.nn.Module):
@@ -155,7 +150,7 @@ class PlannedChain(torch.nn.Module):
         # Transfers run through planner/execute/offload.py, which always fuses as the transfers allow.
         self.continued, self.absorbed, self.kept_outputs = (fused_positions(schedule) if fuse or moves_data
                                                             else (set(), set(), set()))
-        self.run_type = OffloadStepRun if moves_data else ShardedStepRun if zero is not None else StepRun
+        self.run_type = _STEP_RUNS[moves_data, zero is not None]  # (planner/setup/rules.py: never both)
         self.zero = zero
         self.host_weights = prepare_host_weights([module for _, module in pairs], schedule)
         # An absorbed B of a stage whose F_all continued a graph has nothing left to do (no standalone input):

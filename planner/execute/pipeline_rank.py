@@ -28,8 +28,8 @@ from planner.execute.records import find_shared
 from planner.execute.stages import preserved_state, run_stages, trainable_parameters
 from planner.ops import FORWARD_OPS
 from planner.plan import Plan
+from planner.setup.training import TrainingSetup
 from planner.simulate.pipeline import to_local
-from planner.training_setup import TrainingSetup
 
 STARTUP_TIMEOUT = 120.0  # seconds a rank may take to start (a fresh interpreter importing torch) if longer
 # What a rank sees when a peer dies under it: a consequence, not the cause (lower case).

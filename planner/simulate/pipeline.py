@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from planner.chain import Chain, Loss
 from planner.errors import MemschedError
 from planner.plan import PIPELINE_SCHEDULES, Pipeline
+from planner.setup.training import PROFILE_GRADIENT_BYTES, TrainingSetup
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.replay import backward_peak
-from planner.training_setup import PROFILE_GRADIENT_BYTES, TrainingSetup
 from planner.units import sum_seconds
 
 
@@ -200,7 +200,7 @@ def device_param_bytes(chain: Chain, first: int, last: int) -> tuple:
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
     """Trainable parameters a device on stages ``[first, last)`` holds: :func:`device_param_bytes` / 4, rounded up
-    (as planner.training_setup.parameters_of counts a chain)."""
+    (as planner.setup.training.parameters_of counts a chain)."""
     return -(-sum(device_param_bytes(chain, first, last)) // PROFILE_GRADIENT_BYTES)
 
 

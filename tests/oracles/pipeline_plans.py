@@ -4,9 +4,9 @@ times), store-all on every device, with the pipeline simulator's figures."""
 import dataclasses
 
 from planner.plan import Pipeline, PipelineDevice, Plan, Predicted
+from planner.setup.training import TrainingSetup
 from planner.simulate import simulate
 from planner.simulate.pipeline import to_global
-from planner.training_setup import TrainingSetup
 from solvers.extremes import store_all_schedule
 
 

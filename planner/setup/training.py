@@ -1,25 +1,29 @@
-"""The memory of everything besides activations: parameters, gradients and optimizer state (no torch).
+"""How a model is trained, as one value, and the memory of everything besides activations (no torch).
+
+:class:`TrainingSetup` is the whole setup a plan is made for: the optimizer, the precision, the ZeRO stage over
+``dp`` data-parallel ranks, when the optimizer updates (planner/updates.py; on the host for ``host_stages``), the
+stages whose weights live on the host (solvers/weights.py) and the micro-batches whose gradients accumulate
+(planner/accumulate.py). planner/setup/rules.py says which of these mix, planner/setup/lower.py turns a chain
+into the one its solvers and simulator see, and a plan records the setup it was solved for.
 
 A chain's budget bounds what one training step allocates. The parameters, the fp32 master copy of mixed
 precision and the optimizer's state exist before the step starts and stay after it: they are *resident*.
-:class:`TrainingSetup` sizes them per device for an optimizer, a precision and a ZeRO stage over ``dp``
-data-parallel ranks (exact bytes per parameter, each item rounded up to whole bytes).
+:class:`TrainingSetup` sizes them per device (exact bytes per parameter, each item rounded up to whole bytes).
 :func:`activation_budget` turns a device's memory into the budget left for the chain's step (``--budget
-auto``) and :func:`describe_auto_budget` says how; :func:`setup_chain` scales a chain's gradients to a setup's and
-frees them as its optimizer update does (planner/updates.py). With the update ``on-host`` the master copy and the
+auto``) and :func:`describe_auto_budget` says how. With the update ``on-host`` the master copy and the
 optimizer state live on the host (:meth:`TrainingSetup.host_bytes`), not on the device.
 The byte tables, the ZeRO sharding rules, and why the budget is safe (and by how much it is conservative)
 are in docs/model.md, "Whole-step memory".
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
 from planner.units import describe_bytes, format_bytes
-from planner.updates import check_update, host_stages_of, updated_chain
+from planner.updates import check_update, host_stages_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16: mixed precision with an fp32 master copy
@@ -39,14 +43,20 @@ PROFILE_GRADIENT_BYTES = 4  # chain profiles are fp32: param_bytes are 4 bytes p
 
 @dataclass(frozen=True)
 class TrainingSetup:
-    """How a model is trained: its optimizer, precision, ZeRO stage, data-parallel ranks, and when the optimizer
-    updates the parameters (planner/updates.py: after the backward, in it, or in it on the host)."""
+    """How a model is trained: its optimizer, precision, ZeRO stage and data-parallel ranks (what is resident),
+    when the optimizer updates the parameters (planner/updates.py: after the backward, in it, or in it on the
+    host for ``host_stages``: None, every stage), the stages whose parameters live on the host (``host_weights``:
+    ``"all"`` or stage indices; None, none) and the micro-batches whose gradients add up before each optimizer
+    step (``accumulate``). Which of these mix: planner/setup/rules.py."""
 
     optimizer: str = "adam"
     precision: str = "fp32"
     zero: int = 0  # ZeRO stage 0..3
     dp: int = 1  # data-parallel ranks
     update: str = "after"
+    host_stages: tuple = None
+    host_weights: object = None
+    accumulate: int = 1
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -59,6 +69,18 @@ class TrainingSetup:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise MemschedError(f"dp: the number of data-parallel ranks must be a whole number >= 1, got {self.dp!r}")
         check_update(self.update)
+        check_accumulate(self.accumulate)
+        if self.host_stages is not None:
+            if self.update != "on-host":
+                raise MemschedError(f"host_stages are the stages an update 'on-host' runs on the host; the update is "
+                                    f"{self.update!r}: give update 'on-host', or drop host_stages")
+            object.__setattr__(self, "host_stages", _indices(self.host_stages, "host_stages"))
+        if self.host_weights is not None and self.host_weights != "all":
+            object.__setattr__(self, "host_weights", _indices(self.host_weights, "weights"))
+
+    def sizing(self) -> dict:
+        """The fields that size the resident state: ``optimizer``, ``precision``, ``zero``, ``dp``."""
+        return {"optimizer": self.optimizer, "precision": self.precision, "zero": self.zero, "dp": self.dp}
 
     def _exact(self) -> dict:
         """Bytes per parameter on one device, after sharding, as exact fractions."""
@@ -105,8 +127,30 @@ class TrainingSetup:
         zero = f"ZeRO stage {self.zero}" if self.zero else "no ZeRO"
         update = {"after": "", "in-backward": ", update in the backward",
                   "on-host": ", update in the backward on the host"}[self.update]
+        weights = "" if self.host_weights is None else (
+            f", weights of {'every stage' if self.host_weights == 'all' else 'stages ' + _listed(self.host_weights)} "
+            "on the host")
+        accumulated = f", gradients accumulated over {self.accumulate} micro-batches" if self.accumulate > 1 else ""
         return (f"{self.optimizer}, {precision}, {zero}, {self.dp} data-parallel rank{'s' if self.dp != 1 else ''}"
-                f"{update}")
+                f"{update}{weights}{accumulated}")
+
+
+def _indices(value, where: str) -> tuple:
+    """``value`` (indices, or a comma-separated string of them) as a tuple of distinct stage indices in ascending
+    order, else a one-line error naming ``where``."""
+    items = value.split(",") if isinstance(value, str) else (value,) if isinstance(value, int) else value
+    try:
+        indices = tuple(sorted({int(str(item).strip()) for item in items}))
+    except (TypeError, ValueError):
+        indices = ()
+    if not indices or any(k < 0 for k in indices) or any(isinstance(k, bool) for k in items):
+        raise MemschedError(f"{where}: give {'all or ' if where == 'weights' else ''}stage indices like 0,3,5, "
+                            f"got {value!r}")
+    return indices
+
+
+def _listed(indices) -> str:
+    return ", ".join(str(k) for k in indices)
 
 
 def _check_parameters(parameters) -> None:
@@ -137,11 +181,12 @@ def device_parameters(chain, setup: TrainingSetup, host_stages=None) -> int:
     return -(-on_device // PROFILE_GRADIENT_BYTES)
 
 
-def _resident(chain, setup: TrainingSetup, host_stages) -> int:
-    return setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, host_stages))
+def resident_on_device(chain, setup: TrainingSetup) -> int:
+    """Bytes per device resident before ``chain``'s step under ``setup`` (its ``host_stages`` updating on the host)."""
+    return setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
 
 
-def activation_budget(chain, setup: TrainingSetup, device_memory: int, host_stages=None) -> int:
+def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
     """Bytes left for the chain's step budget (activations, temporaries and the chain's parameter gradients)
     once ``setup``'s resident state is on a device of ``device_memory`` bytes.
 
@@ -153,7 +198,7 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int, host_stag
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
         raise MemschedError(f"device memory: expected a whole number of bytes >= 1, got {device_memory!r}")
     parameters = parameters_of(chain)
-    resident = _resident(chain, setup, host_stages)
+    resident = resident_on_device(chain, setup)
     extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
     budget = device_memory - resident - extra_gradients
     if budget <= 0:
@@ -165,27 +210,13 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int, host_stag
     return budget
 
 
-def setup_chain(chain, setup: TrainingSetup, transfer=None):
-    """``chain`` with each stage's ``param_bytes`` scaled to the setup's gradients (rounded up) and freed as its
-    update frees them (:func:`planner.updates.updated_chain`, over ``transfer`` or the chain's channel): solved at
-    ``device_memory - resident_bytes(parameters_of(chain))`` it plans exactly with 16-bit or sharded
-    gradients (its fingerprint differs from ``chain``'s)."""
-    total = chain_gradient_bytes(chain)
-    if total:
-        target = setup.gradient_bytes(parameters_of(chain))
-        stages = tuple(dataclasses.replace(stage, param_bytes=-(-stage.param_bytes * target // total))
-                       for stage in chain.stages)
-        chain = dataclasses.replace(chain, stages=stages)
-    return updated_chain(chain, setup.update, transfer)
-
-
-def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int, host_stages=None) -> str:
+def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str:
     """How :func:`activation_budget` comes from ``device_memory`` bytes: ``device ... - resident ... for P
     parameters (setup)``, with the gradients beyond the chain's it takes off, and a note when the chain counts
     more gradient bytes than the setup has."""
     parameters = parameters_of(chain)
-    resident = _resident(chain, setup, host_stages)
-    some = "" if host_stages is None else f" for {len(host_stages)} of {chain.length} stages"
+    resident = resident_on_device(chain, setup)
+    some = "" if setup.host_stages is None else f" for {len(setup.host_stages)} of {chain.length} stages"
     how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(resident)} for {parameters} parameters "
            f"({setup.describe()}{some})")
     extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))

@@ -1,0 +1,33 @@
+"""A chain as a training setup runs it: the one transform every solver and the simulator see (no torch).
+
+:func:`lower` applies, in this order, the parts of a :class:`planner.setup.training.TrainingSetup` that change
+what a step allocates: 1. when the optimizer updates (:func:`planner.updates.updated_chain`: gradients a
+transient of each stage's backward, copies to the host for ``on-host``); 2. accumulation over micro-batches
+(:func:`planner.accumulate.accumulating_chain`: every gradient held from the step's start, ``held_bytes``). The
+setup's resident state (parameters, master copy, optimizer state) is outside the step: it only sizes the budget
+a device leaves (:func:`solvers.budgets.budget_of`). Weights on the host are placed in the solved schedule
+(solvers/weights.py), not in the chain. Why each transform is exact: docs/model.md, "Whole-step memory".
+"""
+
+from dataclasses import dataclass
+
+from planner.accumulate import accumulating_chain, held_gradient_bytes
+from planner.updates import updated_chain
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """``chain`` as the setup runs it, beside ``held_bytes`` allocated from the step's start to its end."""
+
+    chain: object
+    held_bytes: int = 0
+
+
+def lower(chain, setup, transfer=None) -> Lowered:
+    """``chain`` (a :class:`planner.chain.Chain`) lowered through ``setup``, the update's copies over ``transfer``
+    (else the chain's channel). Its fingerprint differs from ``chain``'s whenever the setup changes it: a plan
+    records the setup and the chain's own fingerprint."""
+    lowered = updated_chain(chain, setup.update, transfer, setup.host_stages)
+    if setup.accumulate > 1:  # (an update inside the backward does not mix with it: planner/setup/rules.py)
+        return Lowered(accumulating_chain(lowered), held_gradient_bytes(lowered))
+    return Lowered(lowered)

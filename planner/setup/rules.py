@@ -1,0 +1,113 @@
+"""Which parts of a training setup, and of the way a plan runs, mix: every refusal once (no torch).
+
+A plan is solved for a :class:`planner.setup.training.TrainingSetup` and run in a :class:`Run` (how the step is
+executed: transfers, torch.compile, a pipeline, a sharded step, the graph executor, stage options, clipping).
+:data:`RULES` lists each pair of features that cannot be combined and why; :func:`check` refuses the first pair
+present, in one line that names both as the user gave them (:data:`FLAGS`: the command line's flags or
+:func:`profiles.fit.fit`'s keywords) and asks to drop one. The solver, the executor, ``fit`` and the command line
+all call :func:`check`, so a combination is refused with the same words wherever it is met.
+"""
+
+from dataclasses import dataclass
+
+from planner.errors import MemschedError
+
+
+@dataclass(frozen=True)
+class Run:
+    """How a plan runs, beside its setup: what :func:`check` reads of it."""
+
+    transfers: bool = False  # offloading or weights on the host: a schedule with transfers
+    compile: bool = False  # stage calls through torch.compile
+    pipeline: bool = False  # a pipeline plan on PyTorch's pipelining engine
+    sharded: bool = False  # a sharded data-parallel step (train --dp: ZeroRedundancyOptimizer / FSDP2)
+    graph: bool = False  # the joint graph, solved by a graph solver and run by the graph executor
+    options: bool = False  # stages run with one of their options (selective recomputation inside a stage)
+    clipping: bool = False  # the gradients' global norm clipped before the optimizer steps
+
+
+# feature -> whether a setup and a run have it
+_PRESENT = {
+    "accumulate": lambda setup, run: setup.accumulate > 1,
+    "update": lambda setup, run: setup.update != "after",
+    "transfers": lambda setup, run: run.transfers or setup.host_weights is not None,
+    "compile": lambda setup, run: run.compile,
+    "pipeline": lambda setup, run: run.pipeline,
+    "sharded": lambda setup, run: run.sharded,
+    "graph": lambda setup, run: run.graph,
+    "options": lambda setup, run: run.options,
+    "clipping": lambda setup, run: run.clipping,
+}
+
+# feature -> how the command line and fit() spell it ({accumulate}, {update}: the setup's values)
+FLAGS = {
+    "cli": {
+        "accumulate": "--accumulate {accumulate}",
+        "update": "--update {update}",
+        "transfers": "offloading (--solver offload, pofo; --offload-weights)",
+        "compile": "--compile",
+        "pipeline": "a pipeline plan",
+        "sharded": "--dp (a sharded step)",
+        "graph": "--graph",
+        "options": "stage options (--solver hierarchical)",
+        "clipping": "--max-grad-norm",
+    },
+    "fit": {
+        "accumulate": "accumulate={accumulate}",
+        "update": "update={update!r}",
+        "transfers": "offloading (solver='offload', 'pofo'; weights=)",
+        "compile": "compile=True",
+        "pipeline": "a pipeline plan",
+        "sharded": "a sharded step",
+        "graph": "graph=True",
+        "options": "stage options",
+        "clipping": "clipping the gradients",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``first`` and ``second`` (features of :data:`FLAGS`) do not mix, because of ``why``."""
+
+    first: str
+    second: str
+    why: str
+
+
+RULES = (
+    Rule("accumulate", "update", "an update inside the backward frees the gradients that accumulation adds up"),
+    Rule("accumulate", "transfers", "accumulating steps add each stage's gradients into .grad after the one "
+                                    "before, which only eager plans without transfers do"),
+    Rule("accumulate", "compile", "stages merged into one compiled call make their gradients together"),
+    Rule("accumulate", "pipeline", "a pipeline's micro-batches are its own"),
+    Rule("accumulate", "sharded", "a sharded step reduces each backward's gradients"),
+    Rule("accumulate", "graph", "a graph plan's step starts without gradients"),
+    Rule("update", "transfers", "the update inside the backward runs plans without transfers"),
+    Rule("update", "compile", "the update inside the backward runs each stage's backward eagerly, on its own"),
+    Rule("update", "sharded", "a sharded step updates after the backward"),
+    Rule("update", "graph", "a graph plan updates after the backward"),
+    Rule("update", "clipping", "clipping needs every gradient before any update"),
+    Rule("compile", "transfers", "offloading runs eagerly"),
+    Rule("compile", "sharded", "a sharded step runs eagerly"),
+    Rule("compile", "graph", "the graph executor runs the joint graph node by node"),
+    Rule("compile", "pipeline", "a pipeline plan runs on PyTorch's pipelining engine"),
+    Rule("options", "transfers", "a schedule with transfers runs every stage whole"),
+    Rule("options", "sharded", "a sharded step runs every stage whole"),
+    Rule("transfers", "sharded", "a sharded step runs without transfers"),
+)
+
+
+def check(setup, run: Run = Run(), interface: str = "cli", where: str = None) -> None:
+    """Refuse, in one :class:`MemschedError` line, the first rule of :data:`RULES` that ``setup`` (a
+    :class:`planner.setup.training.TrainingSetup`) and ``run`` break, naming both features as ``interface``
+    (``"cli"`` or ``"fit"``) spells them; ``where`` (a plan file) prefixes the message."""
+    for rule in RULES:
+        if _PRESENT[rule.first](setup, run) and _PRESENT[rule.second](setup, run):
+            first, second = (_spelled(feature, setup, interface) for feature in (rule.first, rule.second))
+            prefix = f"{where}: " if where else ""
+            raise MemschedError(f"{prefix}{first} does not mix with {second}: {rule.why}; drop one of them")
+
+
+def _spelled(feature: str, setup, interface: str) -> str:
+    return FLAGS[interface][feature].format(accumulate=setup.accumulate, update=setup.update)
