@@ -20,6 +20,7 @@ from planner.graph import GRAPH_FORMAT, load_graph, save_graph
 from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
 from planner.setup import Run, TrainingSetup, check
+from planner.setup.flags import FIELD_FLAGS, SIZING_FLAGS, setup_from_flags
 from planner.setup.training import OPTIMIZERS, PRECISIONS, parameters_of
 from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
@@ -109,9 +110,8 @@ def _add_channel_arguments(parser, purpose: str) -> None:
 
 
 def _add_setup_arguments(parser, training: bool = False) -> None:
-    """``--device-memory`` and the training setup (planner/setup/training.py) that ``--budget auto`` and ``memory``
-    read; the defaults are filled in by :func:`_setup` (None here, so that an unused flag can be refused).
-    ``training``: train's, which trains with Adam in fp32, and with --dp on FSDP2."""
+    """``--device-memory`` and the training setup (planner/setup/) that ``--budget auto`` and ``memory`` read, None
+    when not given (an unused flag is refused). ``training``: train's (Adam in fp32; with --dp on FSDP2)."""
     parser.add_argument("--device-memory", metavar="BYTES",
                         help="memory of one device (80GiB, 40GB, bytes): --budget auto is what it leaves once "
                              "parameters, gradients and optimizer state are counted")
@@ -131,36 +131,25 @@ def _add_setup_arguments(parser, training: bool = False) -> None:
                                                             "a part of the batch each, ZeRO 2-3 on FSDP2)")
 
 
-_SETUP_FLAGS = ("--device-memory", "--optimizer", "--precision", "--zero", "--dp")  # the last four: TrainingSetup's
-
-
 def _given(args, *flags) -> list:
     """Those of the options ``flags`` given on the command line (whose value is not None), in that order."""
     return [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"), None) is not None]
 
 
-def _setup(args, pipeline: bool = False) -> TrainingSetup:
-    """The one :class:`planner.setup.TrainingSetup` the flags give (default: adam, fp32, ZeRO 0, 1 rank, the update
-    after the backward; ``--update auto`` searches updates from it), its combinations with the run the flags ask
-    for (``pipeline``: by a pipeline plan) checked."""
-    fields = {flag[2:]: getattr(args, flag[2:]) for flag in _given(args, *_SETUP_FLAGS[1:])}
-    if args.update not in ("after", "auto"):
-        fields["update"] = args.update
-    if getattr(args, "accumulate", 1) != 1:
-        fields["accumulate"] = args.accumulate
-    if getattr(args, "offload_weights", None) is not None:
-        fields["host_weights"] = args.offload_weights
-    setup = TrainingSetup(**fields)
-    check(setup, Run(transfers=getattr(args, "solver", None) in solvers.OFFLOAD_SOLVERS,
+def _setup(args, pipeline: bool = False, sharded: bool = False) -> TrainingSetup:
+    """The one :class:`planner.setup.TrainingSetup` the flags give (``--update auto`` searches updates from it), its
+    combinations with the run the flags ask for (``pipeline``: by a pipeline plan; ``sharded``: ``--dp``) checked."""
+    setup = setup_from_flags({field: getattr(args, flag[2:].replace("-", "_"), None)
+                              for field, flag in FIELD_FLAGS.items()})
+    check(setup, Run(transfers=getattr(args, "solver", None) in solvers.OFFLOAD_SOLVERS, pipeline=pipeline,
                      compile=getattr(args, "compile", False), graph=bool(getattr(args, "graph", False)),
-                     pipeline=pipeline,
-                     clipping=getattr(args, "max_grad_norm", None) is not None))
+                     clipping=getattr(args, "max_grad_norm", None) is not None, sharded=sharded))
     return setup
 
 
 def _solved(args, chain) -> tuple:
     """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`, the setup flags refused but with --budget auto."""
-    given = _given(args, *_SETUP_FLAGS)
+    given = _given(args, "--device-memory", *SIZING_FLAGS)
     if args.budget != "auto" and given:
         raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "
                             "give --budget auto with it, or drop it")
@@ -435,9 +424,8 @@ def _train_sharded(args) -> None:
     """``train --dp N``: one rank's sharded step profiled and solved here, trained on N processes."""
     from profiles.sharded_training import train_data_parallel
 
-    unused = _given(args, "--plan", "--chain", "--offload-weights", "--max-grad-norm") + [flag for flag, given in (
-        ("--graph", args.graph), ("--compile", args.compile), ("--update", args.update != "after"),
-        ("--accumulate", args.accumulate != 1)) if given]
+    _setup(args, sharded=True)  # a sharded step's refusals (planner/setup/rules.py)
+    unused = _given(args, "--plan", "--chain", "--max-grad-norm") + (["--graph"] if args.graph else [])
     if unused or args.dp is None or not args.budget:
         raise MemschedError("train --dp N [--zero 1|2|3] --budget B profiles and solves one rank's step itself, "
                             "eagerly, updating after the backward: " + (f"drop {unused[0]}" if unused else
@@ -506,7 +494,7 @@ def _offload_params(args, chain, solver: str) -> dict:
 
 
 def _refuse_auto_for_graphs(args) -> None:
-    given = _given(args, *_SETUP_FLAGS) + (["--update"] if args.update != "after" else [])
+    given = _given(args, "--device-memory", *SIZING_FLAGS) + (["--update"] if args.update != "after" else [])
     if args.budget == "auto" or given:
         raise MemschedError(f"{'--budget auto' if args.budget == 'auto' else given[0]} is for chain problems; a graph "
                             "counts its parameters in fixed_bytes: give the graph's budget in bytes or as a percentage")

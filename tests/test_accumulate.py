@@ -245,7 +245,7 @@ def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(c
 @pytest.mark.parametrize("extra, message", [
     (["--plan", "plan.json"], "--accumulate are for solving: drop them with --plan"),
     (["--graph"], "--accumulate 2 does not mix with --graph"),
-    (["--dp", "2"], "drop --accumulate"),
+    (["--dp", "2"], "--accumulate 2 does not mix with --dp"),
 ])
 def test_train_refuses_accumulate_with_what_it_does_not_mix_with(capsys, extra, message):
     status, out, err = _run(capsys, "train", SMALL, "--budget", "50%", "--accumulate", "2", *extra)

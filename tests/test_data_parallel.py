@@ -169,10 +169,10 @@ def test_cli_trains_on_two_ranks_within_what_a_device_leaves(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--dp", "2", "--zero", "4"], "--zero 4: data parallelism runs ZeRO 1"),
+    (["--dp", "2", "--zero", "4"], "zero: the ZeRO stage must be 0, 1, 2 or 3, got 4"),
     (["--zero", "3"], "give --dp and --budget"),
-    (["--dp", "2", "--compile"], "drop --compile"),
-    (["--dp", "2", "--update", "in-backward"], "drop --update"),
+    (["--dp", "2", "--compile"], "--compile does not mix with --dp"),
+    (["--dp", "2", "--update", "in-backward"], "--update in-backward does not mix with --dp"),
     (["--dp", "1"], "at least 2 ranks"),
 ])
 def test_cli_refuses_what_a_sharded_run_cannot_do(extra, message, capsys):
