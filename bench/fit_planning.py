@@ -8,7 +8,7 @@ plans it as ``fit(model, batch, budget)`` does, timing each phase: ``discover`` 
 ``stages`` (each stage measured), ``options`` (the stages' options measured), ``solve``; then ``fit`` itself,
 whole, at an infeasible budget. Seconds are wall clock and process CPU time; the load average is printed too
 (the machine is shared: wall clock moves with it; at ``--threads 1`` the CPU time is an idle core's wall clock).
-Figures in README.md ("Benchmarks").
+Figures in docs/benchmarks.md, section "fit's planning time on GPT-2 small".
 """
 
 import argparse
