@@ -144,3 +144,22 @@ def test_a_plan_records_its_setup_and_is_simulated_through_it(tmp_path):
             Plan.from_dict(dict(raw, setup=dict(raw["setup"], **bad)))
     with pytest.raises(MemschedError, match="--accumulate 2 does not mix with --update in-backward"):
         Plan.from_dict(dict(raw, update="in-backward"))
+
+
+def test_fit_takes_the_setup_as_one_value():
+    torch = pytest.importorskip("torch")
+    from planner import fit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+                                  for _ in range(4)))
+    x = torch.randn(8, 16)
+    quick = dict(warmup=0, repeats=1, stage_options=0, progress=False, loss_fn=lambda out: out.square().mean())
+    fitted = fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick)
+    assert fitted.plan.setup == TrainingSetup(accumulate=3) and len(fitted.micro_batch_peaks) == 3
+    for given, wanted in (({"accumulate": 2}, "accumulate= is a field of the setup given"),
+                          ({"update": "in-backward"}, "update= is a field of the setup given"),
+                          ({"compile": True}, "accumulate=3 does not mix with compile=True")):
+        with pytest.raises(MemschedError, match=wanted) as caught:
+            fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick, **given)
+        assert "\n" not in str(caught.value)
