@@ -37,7 +37,7 @@ from solvers.rotor import check_length
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
-        stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = "adam", lr: float = 1e-3,
+        stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = None, lr: float = 1e-3,
         accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", progress=True,
         setup: TrainingSetup = None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
@@ -55,6 +55,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     ``update="in-backward"`` (or ``"on-host"``, with a ``transfer`` channel: planner/updates.py) the backward
     also updates the parameters, by ``optimizer`` (sgd, momentum, adam, adamw) at ``lr``, freeing each stage's
     gradients as it goes: the loop is ``fitted(**batch).backward()``, without an optimizer of its own.
+    ``setup``: all of these as one :class:`planner.setup.TrainingSetup` (optimizer, update, host stages, weights
+    on the host, accumulation), instead of the keywords; which parts mix: planner/setup/rules.py.
     ``accumulate=k``: the loop adds ``k`` micro-batches' gradients before each ``optimizer.step();
     optimizer.zero_grad()``; the plan is solved for the micro-batches after the first, which start with every
     gradient held (planner/accumulate.py), and ``.micro_batch_peaks`` predicts each one's peak (a percentage
@@ -86,16 +88,20 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     """
     say = progress if callable(progress) else say_on_stderr if progress else (lambda line: None)
     options = dict(options)
+    setup = _fit_setup(setup, accumulate, optimizer, options)
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
-                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                       setup=_fit_setup(setup, accumulate, options), options=dict(options, optimizer=optimizer, lr=lr),
-                       graph=graph, autocast=autocast, returns=returns, say=say)
+                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, setup=setup,
+                       options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph, autocast=autocast,
+                       returns=returns, say=say)
 
 
-def _fit_setup(setup, accumulate, options: dict) -> TrainingSetup:
+def _fit_setup(setup, accumulate, optimizer, options: dict) -> TrainingSetup:
     """The training setup :func:`fit` plans for: ``setup``, else the one its keywords give (``update=``,
-    ``host_stages=``, ``weights=``, taken out of ``options``, and ``accumulate=``); both at once is one line."""
+    ``host_stages=``, ``weights=``, taken out of ``options``, ``accumulate=`` and ``optimizer=``, default adam);
+    both at once is one line."""
     given = {key: options.pop(key) for key in ("update", "host_stages", "weights") if key in options}
+    if optimizer is not None:
+        given["optimizer"] = optimizer
     if setup is None:
         fields = {"host_weights" if key == "weights" else key: value for key, value in given.items()}
         return TrainingSetup(accumulate=check_accumulate(accumulate, "fit accumulate"), **fields)
