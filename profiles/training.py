@@ -25,15 +25,12 @@ from torch.utils._pytree import tree_flatten
 
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
-from planner.execute.graph import GraphExecutor
-from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from planner.execute.updates import state_tensors
 from planner.render import say_on_stderr
 from planner.simulate import micro_batch_peaks
 from profiles.chain_profiler import profile_chain
-from profiles.graph_profiler import profile_graph
 from profiles.memory import memory_meter, storage_bytes
 from profiles.options import DEFAULT_OPTIONS
 from profiles.spec import built_model
@@ -244,6 +241,8 @@ def train_chain_plan(model, plan, chain, steps: int, device="cpu", lr: float = 1
 def train_graph_plan(model, plan, graph, steps: int, device="cpu", lr: float = 1e-3) -> Comparison:
     """:func:`train_and_compare` for a graph ``plan`` of ``graph`` run by
     :class:`planner.execute.graph.GraphExecutor` (``model``: a staged model already on ``device``)."""
+    from planner.execute.graph import GraphExecutor  # the graph runtime, loaded for graph plans only
+
     step = GraphExecutor(model, plan, graph).step
     return train_and_compare(step, named_stages(model.stages), model.example_inputs, steps, device,
                              graph.fixed_bytes, loss_fn=model.loss_fn, lr=lr)
@@ -256,6 +255,8 @@ def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float =
     finished step stop it, default :data:`DEFAULT_PROGRESS_TIMEOUT`); the lines of the run: per rank, the last
     step's measured peak against the plan's device peak minus its resident state."""
     pipe = plan.pipeline
+    from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines  # pipelines only
+
     timeout = DEFAULT_PROGRESS_TIMEOUT if progress_timeout is None else progress_timeout
     results = run_pipeline(functools.partial(built_model, spec, batch=batch), plan, steps, meter=memory_meter,
                            device=device, lr=lr, chain=chain, progress_timeout=timeout)
@@ -272,6 +273,8 @@ def profiled_for_training(model, device, nodes: int = None, say=say_on_stderr, *
         return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=device,
                              name=model.name, options=DEFAULT_OPTIONS, say=lambda line: say(f"  {line}"))
     say(f"capturing and profiling {model.name}'s training step as a graph of at most {nodes} nodes...")
+    from profiles.graph_profiler import profile_graph  # the graph capture, loaded for graph profiles only
+
     return profile_graph(model.stages, model.example_inputs, model.loss_fn, nodes=nodes, device=device,
                          name=model.name, **options)
 
