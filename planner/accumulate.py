@@ -47,23 +47,3 @@ def accumulating_chain(chain):
     chain's own fingerprint.
     """
     return updated_chain(chain, "in-backward")
-
-
-def check_mixes(accumulate: int, *, update: str = "after", moves_data: bool = False, compile: bool = False,
-                pipeline: bool = False, sharded: bool = False, where: str = None) -> None:
-    """Refuse, in one line, what accumulating over ``accumulate`` micro-batches (more than 1) does not mix with: an
-    update inside the backward (it frees the gradients it updates with), transfers (offloading, weights on the
-    host), ``torch.compile`` (stages merged into one call make their gradients together), pipelines and
-    sharded (``--dp``) steps; ``where`` (a plan file) prefixes the message."""
-    if accumulate == 1:
-        return
-    other = next((name for name, given in (
-        (f"update {update!r} (it updates with each backward's gradients and frees them)", update != "after"),
-        ("offloading or weights on the host (transfers)", moves_data), ("--compile", compile),
-        ("a pipeline plan (its micro-batches are its own)", pipeline), ("a sharded step (--dp)", sharded))
-        if given), None)
-    if other is not None:
-        prefix = f"{where}: " if where else ""
-        raise MemschedError(f"{prefix}accumulating gradients over {accumulate} micro-batches runs eager chain plans, "
-                            "each stage's backward adding into .grad after the one before: it does not mix with "
-                            f"{other}; drop one of them")

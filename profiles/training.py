@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import default_loss, named_stages, run_stages, trainable_parameters
 from planner.execute.updates import state_tensors
 from planner.render import say_on_stderr
+from planner.setup import Run, TrainingSetup, check
 from planner.simulate import micro_batch_peaks
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter, storage_bytes
@@ -75,10 +75,8 @@ class Learner:
     global norm before the optimizer steps, which needs every gradient first: refused with ``updates``."""
 
     def __init__(self, parameters, optimizer=None, updates=None, timed_update: bool = False, max_grad_norm=None):
-        if updates is not None and max_grad_norm is not None:
-            raise MemschedError("clipping the gradients' global norm needs every gradient before any update: the "
-                                "update inside the backward cannot honour it; drop --max-grad-norm or update after "
-                                "the backward")
+        if updates is not None:  # (planner/setup/rules.py: clipping needs every gradient before any update)
+            check(TrainingSetup(update=updates.update), Run(clipping=max_grad_norm is not None))
         self.parameters, self.optimizer, self.updates = parameters, optimizer, updates
         self.timed_update = timed_update or updates is not None
         self.max_grad_norm = max_grad_norm

@@ -268,7 +268,7 @@ def test_clipping_the_global_norm_runs_after_the_backward_and_is_refused_inside_
     weight.grad = torch.full((4,), 5.0)  # norm 10
     learner.update()
     assert_close(weight.detach(), torch.full((4,), -0.5))  # the gradient scaled to norm 1, then the step
-    with pytest.raises(MemschedError, match="global norm needs every gradient before any update"):
+    with pytest.raises(MemschedError, match="clipping needs every gradient before any update"):
         Learner([weight], updates=StageUpdates([torch.nn.Linear(2, 2)], "in-backward", "sgd", 0.1),
                 max_grad_norm=1.0)
     assert cli.main(["train", "mlp:layers=3,width=16,batch=4", "--budget", "60%", "--update", "in-backward",

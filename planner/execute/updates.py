@@ -58,6 +58,7 @@ class StageUpdates:
             for parameter in module.parameters() if isinstance(module, torch.nn.Module) else ():
                 if parameter.requires_grad:
                     readers.setdefault(id(parameter), (parameter, []))[1].append(k)
+        self.update = update  # when: "in-backward" or "on-host"
         host = set() if update != "on-host" else set(range(len(modules)) if host_stages is None else host_stages)
         self.parameters = [parameter for parameter, _ in readers.values()]
         # (the lowest stage reading them: its backward completes their gradients, on the host?) -> entries
