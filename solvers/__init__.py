@@ -45,6 +45,9 @@ from solvers.rotor import check_length, hierarchical, rotor
 from solvers.sqrt import sqrt
 from solvers.weights import chosen_weight_stages, place_weight_transfers, weight_reserve
 
+__all__ = ["solve", "solve_graph", "store_all_peak", "store_all_graph_peak", "choose_solver", "choose_graph_solver",
+           "graph_minimum", "SOLVERS", "OFFLOAD_SOLVERS", "GRAPH_SOLVERS", "SOLVER_NAMES", "GRAPH_SOLVER_NAMES"]
+
 SOLVERS = {
     "store_all": store_all,
     "recompute_all": recompute_all,
