@@ -13,7 +13,7 @@ from torch import nn
 
 import cli
 from checks import one_error_line, one_line, run
-from paths import EXAMPLE, ROOT
+from paths import EXAMPLE, FIXTURES
 from planner import Chain, MemschedError, load_chain, load_plan, save_chain, save_plan
 from planner.execute.chain import apply_plan
 from planner.execute.live_memory import LiveMemoryTracker
@@ -26,7 +26,7 @@ from solvers import solve, store_all_peak
 
 QUICK = {"warmup": 0, "repeats": 1}
 SMALL = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64"
-REFERENCE = ROOT.parent / "shared" / "reference" / "rotor_L20.json"
+REFERENCE = FIXTURES / "rotor_L20.json"
 
 
 
@@ -133,9 +133,7 @@ def _canonical_fingerprint(raw: dict) -> str:
 
 
 def test_older_chain_files_load_unchanged_and_their_plans_carry_no_record(tmp_path):
-    raws = [json.loads(EXAMPLE.read_text())]
-    if REFERENCE.exists():
-        raws.append(json.loads(REFERENCE.read_text())["chain"])
+    raws = [json.loads(EXAMPLE.read_text()), json.loads(REFERENCE.read_text())["chain"]]
     for raw in raws:
         chain = Chain.from_dict(copy.deepcopy(raw))
         assert chain.measured_on is None and "measured_on" not in chain.to_dict()

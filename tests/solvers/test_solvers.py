@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from oracles.exhaustive import fastest_time, least_peak
-from paths import ROOT
+from paths import FIXTURES
 from planner import ChainSimulator, MemschedError, simulate
 from profiles.synthetic import random_chain
 from solvers import SOLVERS, choose_solver, solve, store_all_peak
@@ -18,7 +18,7 @@ from solvers.rotor_model import rotor_arrays
 from solvers.rotor_plain import compute_table_plain
 from solvers.sqrt import segments_schedule
 
-REFERENCE = ROOT.parent / "shared" / "reference" / "rotor_L20.json"
+REFERENCE = FIXTURES / "rotor_L20.json"  # a chain and the published Rotor's optimum on it
 
 
 def small_chain(length, seed, **kind):
@@ -35,8 +35,6 @@ def exact_rotor_time(chain, budget):
 
 @pytest.fixture(scope="module")
 def reference():
-    if not REFERENCE.exists():
-        pytest.skip(f"reference data not found at {REFERENCE}")
     return json.loads(REFERENCE.read_text())
 
 
