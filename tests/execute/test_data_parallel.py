@@ -8,10 +8,11 @@ at the machine's default thread count and at one), the losses of 3 Adam steps an
 single-process training (the whole batch in one step; for BatchNorm, which normalises over each rank's part as
 data parallelism without SyncBatchNorm does, each part's step in one process, gradients averaged).
 
-Each run spawns 2 processes (5-15 s here).
+Each launch spawns 2 processes (5-15 s here): the six trainings share one launch per thread count (``trained``).
 """
 
 import functools
+import gc
 import warnings
 
 import pytest
@@ -19,9 +20,12 @@ import torch
 
 import cli
 import solvers
+from checks import one_error_line, one_line
 from planner import MemschedError
 from planner.chain import Chain, Loss, Stage
+from planner.execute import data_parallel
 from planner.execute.data_parallel import run_data_parallel
+from planner.execute.pipeline import launch_ranks
 from planner.execute.sharded import shard_units
 from planner.execute.stages import named_stages, rank_slice, run_stages, trainable_parameters
 from planner.sharding import ShardUnit, check_sharding, rank_residents, sharded_chain, step_constant, zero1_partition
@@ -36,6 +40,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 RESNET = "resnet-tiny:blocks=3,channels=16,size=16,batch=8"
 GPT2 = "tests/fixtures/hf_gpt2.py:build"
 STEPS, LR = 3, 1e-2
+CONFIGS = [(RESNET, 3), (RESNET, 2), (RESNET, 1), (GPT2, 3), (GPT2, 2), (GPT2, 1)]  # (model, ZeRO stage)
 
 
 def test_sharded_chain_by_hand():
@@ -97,7 +102,7 @@ def test_a_rank_slice_cuts_the_inputs_and_the_loss_target():
     torch.testing.assert_close(sum(losses) / 2, whole)
 
 
-def _planned(spec, zero, threads, fraction=0.25):
+def _planned(spec, zero, fraction=0.25):
     """One rank's sharded chain (profiled on rank 0's part at the current thread count), a plan that recomputes
     (a ``fraction`` of the way from the least feasible budget to the store-all peak), and its predicted peak."""
     model = built_model(spec, part=(0, 2))
@@ -111,9 +116,12 @@ def _planned(spec, zero, threads, fraction=0.25):
     return sharded, plan, plan.predicted.peak_bytes + step_constant(zero, units)
 
 
-def _reference(spec, per_part: bool):
-    """Single-process training: ``(losses, first gradients)`` over STEPS Adam steps on the whole batch, or, with
-    ``per_part``, on each rank's part in turn (the parts' mean loss and gradients)."""
+@functools.cache
+def _reference(spec, per_part: bool, threads: int):
+    """Single-process training at ``threads`` torch threads (the current count): ``(losses, first gradients)``
+    over STEPS Adam steps on the whole batch, or, with ``per_part``, on each rank's part in turn (the parts' mean
+    loss and gradients)."""
+    assert threads == torch.get_num_threads()
     model = built_model(spec)
     parts = [rank_slice(model, rank, 2) for rank in range(2)] if per_part else [model]
     parameters = trainable_parameters(model.stages)
@@ -138,17 +146,61 @@ def _reference(spec, per_part: bool):
     return losses, grads
 
 
-@pytest.mark.parametrize("spec, zero", [(RESNET, 3), (RESNET, 2), (RESNET, 1), (GPT2, 3), (GPT2, 2), (GPT2, 1)])
-def test_ranks_train_as_one_process_within_the_predicted_peak(spec, zero, threads):
-    sharded, plan, predicted = _planned(spec, zero, threads)
+def _rank_jobs(planned: dict, threads: int) -> list:
+    """What ``run_data_parallel`` would launch for each configuration (after its checks in this process: the
+    chain's record against the model, the plan's kind), captured instead of launched."""
+    jobs = []
+
+    def capture(job, world, device, progress_timeout, label, threads):
+        assert (world, device, label) == (2, "cpu", "data-parallel")
+        jobs.append(job)
+        return []
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data_parallel, "launch_ranks", capture)
+        for (spec, zero), (sharded, plan, predicted) in planned.items():
+            run_data_parallel(functools.partial(built_model, spec), plan, zero, 2, STEPS, meter=memory_meter, lr=LR,
+                              predicted=predicted, chain=sharded, return_grads=True, progress_timeout=120,
+                              threads=threads)
+    return jobs
+
+
+def _one_after_another(rank, world, where, report, *, jobs):
+    """A rank's part of each job in turn, in the one process group: each job's result (what was left of the
+    last one collected first, so that no release of it falls in the next one's measured window)."""
+    results = []
+    for job in jobs:
+        gc.collect()
+        results.append(job(rank, world, where, report))
+    return results
+
+
+@pytest.fixture(scope="module", params=["default", 1])
+def trained(request):
+    """Every configuration of CONFIGS trained on 2 gloo ranks in one launch, at the machine's default thread count
+    and then at one (each rank's and this process's, kept for the module's tests at that count):
+    ``{(spec, zero): (predicted peak, each rank's DataParallelResult)}``. One launch per count, not one per
+    configuration: a launch is 5-15 s of process start and imports."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(default if request.param == "default" else request.param)
+    threads = torch.get_num_threads()
+    planned = {config: _planned(*config) for config in CONFIGS}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes when the ranks build the model
-        results = run_data_parallel(functools.partial(built_model, spec), plan, zero, 2, STEPS, meter=memory_meter,
-                                    lr=LR, predicted=predicted, chain=sharded, return_grads=True,
-                                    progress_timeout=120, threads=threads)
+        jobs = _rank_jobs(planned, threads)
+        ranks = launch_ranks(functools.partial(_one_after_another, jobs=jobs), 2, "cpu", 120, label="data-parallel",
+                             threads=threads)
+    yield {config: (planned[config][2], [results[i] for results in ranks]) for i, config in enumerate(CONFIGS)}
+    torch.set_num_threads(default)
+
+
+@pytest.mark.parametrize("spec, zero", CONFIGS)
+def test_ranks_train_as_one_process_within_the_predicted_peak(trained, spec, zero):
+    predicted, results = trained[spec, zero]
+    assert [r.rank for r in results] == [0, 1] and all(r.predicted == predicted for r in results)
     for r in results:  # the issue asks for 2%; measured here: within 8 bytes
         assert abs(r.measured / predicted - 1) < 0.005, (r.rank, r.measured, predicted)
-    losses, grads = _reference(spec, per_part=spec == RESNET)
+    losses, grads = _reference(spec, spec == RESNET, torch.get_num_threads())
     for r in results:
         assert r.losses == pytest.approx(losses, rel=1e-5)
         assert set(r.grads) == set(grads)
@@ -176,9 +228,7 @@ def test_cli_trains_on_two_ranks_within_what_a_device_leaves(capsys):
     (["--dp", "1"], "at least 2 ranks"),
 ])
 def test_cli_refuses_what_a_sharded_run_cannot_do(extra, message, capsys):
-    assert cli.main(["train", RESNET, "--budget", "50%", *extra]) == 2
-    error = capsys.readouterr().err
-    assert message in error and error.count("\n") == 1
+    one_error_line(cli.main(["train", RESNET, "--budget", "50%", *extra]), *capsys.readouterr(), message)
 
 
 def _fails_on_rank_1(part):
@@ -194,5 +244,4 @@ def test_a_failing_rank_is_one_line_naming_it():
     plan = solvers.solve(sharded, solvers.store_all_peak(sharded), "store_all")
     with pytest.raises(MemschedError) as caught:
         run_data_parallel(_fails_on_rank_1, plan, 3, 2, 1, meter=memory_meter, predicted=1, progress_timeout=60)
-    message = str(caught.value)
-    assert message.startswith("data-parallel rank 1 failed: RuntimeError: broken on purpose") and "\n" not in message
+    assert one_line(caught).startswith("data-parallel rank 1 failed: RuntimeError: broken on purpose")
