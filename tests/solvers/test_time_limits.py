@@ -2,7 +2,8 @@
 
 A time limit covers everything a solver does (its warm start, building its
 model, each solver call, re-timing), kept to within ``limit + max(1 s, 10%)``
-(:data:`solvers.TIME_LIMIT_TOLERANCE`); a solve that cannot produce any
+(:data:`solvers.TIME_LIMIT_TOLERANCE`) on an idle machine, the allowance
+stretched by the machine's load here (:func:`load_factor`); a solve that cannot produce any
 schedule within it says so in one line, with the limit that was given (never a
 fake one such as 0.01 s) and one to give instead. The cases below used to
 overrun: checkmate with a 2 s limit on the 160-node graph took 4.3 s (16-22 s
@@ -16,11 +17,13 @@ line printed by a wrapper around it) and send SIGINT.
 """
 
 import gc
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -32,26 +35,43 @@ from planner.errors import MemschedError
 from planner.graph import save_graph
 from planner.transfer import Transfer
 from profiles.synthetic import random_chain, random_graph
-from solvers import TIME_LIMIT_TOLERANCE, solve_graph, store_all_graph_peak, store_all_peak
+from solvers import TIME_LIMIT_TOLERANCE, limits, solve_graph, store_all_graph_peak, store_all_peak
 from solvers.limits import Deadline, Progress, TimeLimitReached, enough_time
 from solvers.minimum import minimum_budget
 from solvers.offload import offload
 from solvers.pofo import pofo
 
 
-def tolerance(limit: float) -> float:
+def load_factor() -> float:
+    """How much longer than on an idle core this process's work takes now (at least 1): the larger of the
+    machine's runnable processes per core over the last minute, and the wall seconds per CPU second of a short
+    loop run now. The allowance past a limit (work done after the deadline is seen) is stretched by it, as that
+    work is: the tests run beside others on 2 shared cores."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    sum(i * i for i in range(200_000))
+    stretch = (time.perf_counter() - wall) / max(time.process_time() - cpu, 1e-6)
+    return max(1.0, stretch, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def tolerance(limit: float, load: float) -> float:
+    """The seconds a solve given ``limit`` may take: ``limit`` and its allowance (solvers.TIME_LIMIT_TOLERANCE),
+    the allowance stretched by ``load`` (:func:`load_factor`)."""
     seconds, fraction = TIME_LIMIT_TOLERANCE
-    return limit + max(seconds, fraction * limit)
+    return limit + max(seconds, fraction * limit) * load
 
 
 def timed(function, *args, **kwargs):
+    """``(outcome or MemschedError raised, wall seconds, load factor)`` of one call; the load factor is the
+    larger of the one before the call and the one after it."""
     gc.collect()  # the limit is the solver's: a collection of what earlier tests left is not timed
+    before = load_factor()
     started = time.perf_counter()
     try:
         outcome = function(*args, **kwargs)
     except MemschedError as exc:
         outcome = exc
-    return outcome, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return outcome, seconds, max(before, load_factor())
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +96,16 @@ def test_deadline_progress_and_suggestions():
     assert raised.value.what == "building the model" and raised.value.done == 0.2
     assert raised.value.needed() > raised.value.elapsed  # 80 units left at the rate seen
     Progress(None, "anything", 1).step(1)  # no deadline: nothing to check
+
+
+def test_a_deadline_does_not_count_what_it_excludes(monkeypatch):
+    now = [100.0]  # a clock of exact binary fractions of a second, moved by hand
+    monkeypatch.setattr(limits, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     deadline = Deadline(1)
-    deadline.exclude(lambda: time.sleep(0.05))  # (numba compiling a kernel): not counted
-    assert deadline.elapsed() < 0.04
+    now[0] += 0.25
+    deadline.exclude(lambda: now.__setitem__(0, now[0] + 0.5))  # (numba compiling a kernel): not counted
+    now[0] += 0.125
+    assert deadline.elapsed() == 0.375 and deadline.left() == 0.625 and not deadline.passed()
 
 
 # --- time limits kept --------------------------------------------------------------------------------------
@@ -86,8 +113,9 @@ def test_deadline_progress_and_suggestions():
 def test_checkmate_keeps_a_short_time_limit():
     graph = random_graph(3, 160, shape="transformer")
     budget = int(0.5 * store_all_graph_peak(graph))
-    plan, seconds = timed(solve_graph, graph, budget, "checkmate", time_limit=2)
-    assert seconds <= tolerance(2), seconds  # was 4.3 s: building the model, then the LP, then the MILP
+    plan, seconds, load = timed(solve_graph, graph, budget, "checkmate", time_limit=2)
+    # was 4.3 s: building the model, then the LP, then the MILP
+    assert seconds <= tolerance(2, load), (seconds, load)
     assert not isinstance(plan, MemschedError), plan  # the greedy start at least
     assert plan.params["time_limit"] == 2 and plan.predicted.peak_bytes <= budget and plan.gap is not None
 
@@ -95,8 +123,8 @@ def test_checkmate_keeps_a_short_time_limit():
 def test_checkmate_without_a_schedule_says_what_limit_to_give():
     graph = random_graph(3, 160, shape="transformer")
     budget = int(0.35 * store_all_graph_peak(graph))  # the greedy finds nothing here
-    error, seconds = timed(solve_graph, graph, budget, "checkmate", time_limit=2)
-    assert seconds <= tolerance(2), seconds
+    error, seconds, load = timed(solve_graph, graph, budget, "checkmate", time_limit=2)
+    assert seconds <= tolerance(2, load), (seconds, load)
     assert isinstance(error, MemschedError)
     message = str(error)
     assert "the time limit (2 s) ran out before any schedule was found" in message, message
@@ -107,8 +135,8 @@ def test_checkmate_without_a_schedule_says_what_limit_to_give():
 def test_a_limit_too_short_to_build_the_model_says_so(solver):
     graph = random_graph(3, 120, shape="transformer")
     budget = int(0.35 * store_all_graph_peak(graph))
-    error, seconds = timed(solve_graph, graph, budget, solver, time_limit=0.05)
-    assert seconds <= tolerance(0.05), seconds
+    error, seconds, load = timed(solve_graph, graph, budget, solver, time_limit=0.05)
+    assert seconds <= tolerance(0.05, load), (seconds, load)
     assert isinstance(error, MemschedError), error
     message = str(error)
     assert message.startswith(f"{solver}: the time limit (0.05 s) ran out before any schedule was found"), message
@@ -121,16 +149,18 @@ def test_a_limit_too_short_to_build_the_model_says_so(solver):
 def test_infeasible_budget_searches_the_least_memory_within_the_limit():
     graph = random_graph(3, 160, shape="transformer")
     budget = int(0.27 * store_all_graph_peak(graph))
-    error, seconds = timed(solve_graph, graph, budget, "checkmate", time_limit=3)
-    assert seconds <= tolerance(3), seconds  # the least-memory search (10 s of its own) only gets what is left
+    error, seconds, load = timed(solve_graph, graph, budget, "checkmate", time_limit=3)
+    # the least-memory search (10 s of its own) only gets what is left
+    assert seconds <= tolerance(3, load), (seconds, load)
     assert isinstance(error, MemschedError)
 
 
 def test_pofo_keeps_its_time_limit(warm):
     chain = random_chain(100, seed=1, tmp=True, params=True)
     budget = int(0.3 * store_all_peak(chain))
-    solution, seconds = timed(pofo, chain, budget, Transfer(2e9, 2e9), time_limit=3)
-    assert seconds <= tolerance(3), seconds  # was 10.9 s: table, Rotor, then 3 re-timings of 1 s plus overheads
+    solution, seconds, load = timed(pofo, chain, budget, Transfer(2e9, 2e9), time_limit=3)
+    # was 10.9 s: table, Rotor, then 3 re-timings of 1 s plus overheads
+    assert seconds <= tolerance(3, load), (seconds, load)
     assert not isinstance(solution, MemschedError), solution
     assert solution.params == {"slots": 500, "time_limit": 3}
 
@@ -138,8 +168,8 @@ def test_pofo_keeps_its_time_limit(warm):
 def test_pofo_table_too_slow_for_the_limit(warm):
     chain = random_chain(100, seed=1, tmp=True, params=True)
     budget = int(0.3 * store_all_peak(chain))
-    error, seconds = timed(pofo, chain, budget, Transfer(2e9, 2e9), time_limit=0.05)
-    assert seconds <= tolerance(0.05), seconds
+    error, seconds, load = timed(pofo, chain, budget, Transfer(2e9, 2e9), time_limit=0.05)
+    assert seconds <= tolerance(0.05, load), (seconds, load)
     message = str(error)
     assert isinstance(error, MemschedError) and "\n" not in message
     assert message.startswith("pofo: the time limit (0.05 s) ran out while filling its table"), message
@@ -149,8 +179,8 @@ def test_pofo_table_too_slow_for_the_limit(warm):
 def test_offload_keeps_its_time_limit(warm):
     chain = random_chain(100, seed=1, tmp=True, params=True)
     budget = int(0.3 * store_all_peak(chain))
-    solution, seconds = timed(offload, chain, budget, Transfer(2e9, 2e9), time_limit=2)
-    assert seconds <= tolerance(2), seconds
+    solution, seconds, load = timed(offload, chain, budget, Transfer(2e9, 2e9), time_limit=2)
+    assert seconds <= tolerance(2, load), (seconds, load)
     assert not isinstance(solution, MemschedError), solution
 
 
@@ -180,7 +210,8 @@ WRAPPER = textwrap.dedent("""
 
 def interrupted(args, marks, after: float = 0.7, ready_within: float = 90.0):
     """Run ``memsched ARGS`` with markers on ``marks`` (``(owner expression, attribute)``), send SIGINT ``after``
-    seconds after the first marker, and return (exit status, stderr, seconds from the signal to the exit)."""
+    seconds after the first marker, and return (exit status, stderr, seconds from the signal to the exit, the load
+    factor around it)."""
     script = WRAPPER.format(root=str(ROOT), marks=repr(list(marks)))
     child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=ROOT)
@@ -192,21 +223,22 @@ def interrupted(args, marks, after: float = 0.7, ready_within: float = 90.0):
                 break
         assert line.startswith("MARK "), f"the phase never started: {line!r} {child.stderr.read()[-2000:]}"
         time.sleep(after)
+        load = load_factor()
         assert child.poll() is None, "the solve ended before the signal"
         child.send_signal(signal.SIGINT)
         sent = time.monotonic()
         _, err = child.communicate(timeout=30)
-        return child.returncode, err, time.monotonic() - sent
+        return child.returncode, err, time.monotonic() - sent, max(load, load_factor())
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
 
 
-def assert_interrupted(returncode, err, seconds):
+def assert_interrupted(returncode, err, seconds, load):
     assert returncode == 130, (returncode, err[-2000:])
     assert err.strip().splitlines() == ["memsched: interrupted"], err[-2000:]
-    assert seconds <= 1.5, seconds
+    assert seconds <= 1.5 * load, (seconds, load)  # at once: 1.5 s on an idle machine, stretched by its load
 
 
 @pytest.fixture(scope="module")
