@@ -77,6 +77,7 @@ def test_profiler_meter_equals_the_tracker_on_an_eager_step():
     assert abs(meter.peak / tracker.peak - 1) <= 0.001
 
 
+@pytest.mark.compile
 def test_a_hierarchical_plan_runs_compiled():
     import torch._inductor.config as inductor_config
 
@@ -134,6 +135,7 @@ def gpt2_block():
     return staged.stages[1][1], activation, extra
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2"])
 def test_a_compiled_option_keeps_less_than_the_compiled_block(name):
     """The option's values are recomputed inside the compiled backward (the selective tags survive
@@ -207,6 +209,7 @@ def test_the_policy_places_each_traced_operation_in_its_graph_node():
     assert [policy(None, op) for op in traced] == [save, save, recompute, save, recompute, save, save]
 
 
+@pytest.mark.compile
 def test_a_merged_run_whose_option_writes_in_place_runs_stage_by_stage():
     """BatchNorm's exported graph writes its statistics in place, so its option cannot be a compiled region: the
     run holding it goes stage by stage, its gradients and statistics those of the eager plan."""
@@ -246,6 +249,7 @@ def test_compile_is_refused_where_it_does_not_run(capsys, extra):
     assert status != 0 and "--compile runs chain plans" in out + err
 
 
+@pytest.mark.compile
 def test_train_compile_runs_and_measures(capsys):
     status, out, err = run(capsys, "train", "mlp:layers=4,width=64,batch=256", "--budget", "85%", "--compile",
                            "--steps", "1")
@@ -265,6 +269,7 @@ class Small(nn.Module):
         return x
 
 
+@pytest.mark.compile
 def test_fit_compile_trains_as_fit_does():
     from planner import fit
 

@@ -194,6 +194,7 @@ def trained(request):
     torch.set_num_threads(default)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spec, zero", CONFIGS)
 def test_ranks_train_as_one_process_within_the_predicted_peak(trained, spec, zero):
     predicted, results = trained[spec, zero]
@@ -208,6 +209,7 @@ def test_ranks_train_as_one_process_within_the_predicted_peak(trained, spec, zer
             torch.testing.assert_close(r.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.multiprocess
 def test_cli_trains_on_two_ranks_within_what_a_device_leaves(capsys):
     assert cli.main(["train", RESNET, "--dp", "2", "--budget", "auto", "--device-memory", "4MiB", "--steps", "2"]) == 0
     out = capsys.readouterr().out
@@ -237,6 +239,7 @@ def _fails_on_rank_1(part):
     return built_model(RESNET, part=part)
 
 
+@pytest.mark.multiprocess
 def test_a_failing_rank_is_one_line_naming_it():
     model = _fails_on_rank_1((0, 2))
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1)

@@ -97,6 +97,7 @@ def check_peaks(results, tolerance=0.05):
         assert r.peaks[0] - r.peaks[-1] == pytest.approx(r.recv_buffer_bytes, rel=0.01), (r.rank, r.peaks)
 
 
+@pytest.mark.multiprocess
 def test_1f1b_store_all_equals_single_process(chain):
     plan = plan_for(chain, "1f1b", tight=False)
     assert all(op.kind == "F_all" for d in plan.pipeline.devices for op in d.schedule if op.kind.startswith("F"))
@@ -106,6 +107,7 @@ def test_1f1b_store_all_equals_single_process(chain):
     check_peaks(results)
 
 
+@pytest.mark.multiprocess
 def test_1f1b_recomputing_device_equals_single_process(chain):
     plan = plan_for(chain, "1f1b", tight=True)
     results = run(plan)
@@ -114,6 +116,7 @@ def test_1f1b_recomputing_device_equals_single_process(chain):
     check_peaks(results)
 
 
+@pytest.mark.multiprocess
 def test_gpipe_equals_single_process(chain):
     plan = plan_for(chain, "gpipe", tight=False)  # (GPipe holds all m micro-batches: no recomputing split fits less)
     results = run(plan)
@@ -121,6 +124,7 @@ def test_gpipe_equals_single_process(chain):
     check_peaks(results)
 
 
+@pytest.mark.multiprocess
 def test_cli_train_pipeline_plan(chain, tmp_path, capsys):
     import cli
     from planner import save_chain, save_plan
@@ -177,6 +181,7 @@ def failing_model():
     return mlp_ending_with(_FailsOnRank1())
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_dies_is_reported_in_one_line(chain):
     from planner.execute.pipeline import run_pipeline
 
@@ -191,6 +196,7 @@ def test_a_rank_that_dies_is_reported_in_one_line(chain):
 GPT = "gpt-tiny:layers=2,d=32,heads=2,seq=16,vocab=64,dropout=0"  # no dropout: the same numbers in any order
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("cut", [1, 2, 3])
 def test_gpt_tiny_integer_input_1f1b_equals_single_process(cut):
     """Every split of gpt-tiny (embedding | 2 blocks | head). A device holding only the embedding is
@@ -227,6 +233,7 @@ def hanging_model():
     return mlp_ending_with(_HangsOnRank1())
 
 
+@pytest.mark.multiprocess
 def test_a_hung_run_times_out_and_leaves_no_process(chain):
     import multiprocessing
 
@@ -241,6 +248,7 @@ def test_a_hung_run_times_out_and_leaves_no_process(chain):
 SPEC16 = "mlp:layers=16,width=64"  # long enough that GPipe's m in-flight micro-batches leave room to recompute
 
 
+@pytest.mark.multiprocess
 def test_gpipe_recomputing_devices_equal_single_process():
     from planner.execute.pipeline import run_pipeline
 

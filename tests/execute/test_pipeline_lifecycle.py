@@ -110,6 +110,7 @@ def _ranks_of(pid) -> list:
     return ranks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
 def test_ranks_die_with_their_parent_killed_by_sigkill(plan_path, tmp_path):
     mark = tmp_path / "training"
@@ -153,6 +154,7 @@ def test_a_rank_whose_parent_died_while_it_started_exits():
     assert done.returncode == 1 and "survived" not in done.stdout, done.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_run_longer_than_the_progress_timeout_goes_on_while_steps_finish(chain):
     plan = plan_for(chain, "1f1b", tight=False)
     results = run_pipeline(functools.partial(slow_model, 0.5), plan, 3, meter=memory_meter, progress_timeout=5)
@@ -160,6 +162,7 @@ def test_a_run_longer_than_the_progress_timeout_goes_on_while_steps_finish(chain
     assert len(results[1].losses) == 3 and max(seconds) < 5 < sum(seconds)
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_hangs_is_named_after_the_progress_timeout(plan_path, capsys):
     started = time.monotonic()
     code = train_cli(f"{HERE}:hanging", plan_path, "--progress-timeout", "4")
@@ -172,6 +175,7 @@ def test_a_rank_that_hangs_is_named_after_the_progress_timeout(plan_path, capsys
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.multiprocess
 def test_the_rank_that_dies_is_named_not_the_rank_that_lost_it(plan_path, capsys):
     code = train_cli(f"{HERE}:exiting", plan_path, "--progress-timeout", "60")
     err = capsys.readouterr().err

@@ -179,6 +179,7 @@ def single_process(steps, lr):
     return losses, grads
 
 
+@pytest.mark.multiprocess
 def test_tied_weight_across_devices_trains_as_one_process(chain):
     from planner.execute.pipeline import run_pipeline
 
