@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+from checks import one_line
 from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, load_chain, save_chain
@@ -93,7 +94,7 @@ def test_chain_json_keeps_shared_and_old_chains_stay_valid(chain, tmp_path):
                             ({"name": "w", "stages": [0, 3]}, "bytes")]:
         with pytest.raises(MemschedError) as info:
             Chain.from_dict({**data, "shared": [entry]})
-        assert fragment in str(info.value) and "\n" not in str(info.value)
+        one_line(info, fragment)
 
 
 def test_each_device_counts_its_copy_and_one_device_counts_it_once(chain):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from checks import one_line
 from planner.errors import MemschedError
 from planner.graph import Graph, GraphNode, load_graph, save_graph
 from planner.plan import Plan, check_plan_matches, load_plan, save_plan
@@ -129,4 +130,4 @@ def test_invalid_graph_plans(change, fragment):
     change(data)
     with pytest.raises(MemschedError) as excinfo:
         Plan.from_dict(data)
-    assert fragment in str(excinfo.value) and "\n" not in str(excinfo.value)
+    one_line(excinfo, fragment)

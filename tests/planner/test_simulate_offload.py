@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from checks import one_line
 from format_cases import ops
 from planner.chain import Chain, Loss, Stage
 from planner.errors import MemschedError
@@ -40,7 +41,7 @@ def test_bandwidth_is_read_with_decimal_and_binary_units(text, value):
 def test_bad_bandwidth_is_one_line(text):
     with pytest.raises(MemschedError, match="--bandwidth") as info:
         parse_bandwidth(text)
-    assert "\n" not in str(info.value)
+    one_line(info)
 
 
 def test_transfer_seconds_and_validation():
@@ -95,7 +96,7 @@ def test_bad_transfer_operations_are_one_line(item, message):
     data["schedule"][0] = item
     with pytest.raises(MemschedError, match=message) as info:
         Plan.from_dict(data, "p.json")
-    assert "\n" not in str(info.value) and "p.json: schedule[0]" in str(info.value)
+    one_line(info, "p.json: schedule[0]")
 
 
 # --- the simulator -----------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_checkpoint_offloaded_between_its_segments():
 def test_impossible_transfers_name_the_operation(schedule, message):
     with pytest.raises(ScheduleError, match=message) as info:
         simulate(even_chain(), ops(schedule), SLOW)
-    assert "schedule[" in str(info.value) and "\n" not in str(info.value)
+    one_line(info, "schedule[")
 
 
 def test_schedule_may_not_end_with_data_away():

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from checks import one_line
 from oracles.exhaustive import fastest_time, least_peak
 from planner.chain import Chain, Stage, StageOption
 from planner.errors import MemschedError
@@ -124,7 +125,7 @@ def test_a_bad_option_is_refused_in_one_line(change, message):
     data["stages"][1]["options"][0] = change(data["stages"][1]["options"][0])
     with pytest.raises(MemschedError, match=message) as error:
         Chain.from_dict(data)
-    assert "\n" not in str(error.value) and "stages[1]" in str(error.value)
+    one_line(error, "stages[1]")
 
 
 def test_an_option_the_stage_lacks_or_on_another_op_is_refused():
