@@ -1,8 +1,11 @@
-"""What test files in several folders share: the one-line error check, and running memsched's command line.
+"""What test files in several folders share: the one-line error check, running memsched's command line, and
+a child process's SIGINT for the Ctrl-C tests.
 
 Bad input gets one line naming the field and the fix, never a traceback: :func:`one_line` checks an error raised
 by the library (:func:`raises_one_line` calls and catches it), :func:`one_error_line` the command line's
 ``memsched: error: ...``."""
+
+import signal
 
 import pytest
 
@@ -46,6 +49,13 @@ def one_error_line(status, out: str, err: str, *fragments) -> str:
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     return lines[0]
+
+
+def sigint_as_a_terminal_sends_it():
+    """In a child process before it starts (``Popen(preexec_fn=...)``): SIGINT's default disposition, which
+    Python turns into KeyboardInterrupt. A test run launched in the background (``cmd &`` in a script, nohup)
+    ignores SIGINT, and its children would inherit that: the Ctrl-C tests would see no interrupt at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run(capsys, *argv) -> tuple:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 import cli
+from checks import sigint_as_a_terminal_sends_it
 from paths import ROOT
 from planner import save_chain
 from planner.jsonio import write_atomic, write_json_atomic
@@ -59,7 +60,7 @@ def interrupted(args, marks, after):
     ``after`` seconds after the first marker; (exit status, stderr)."""
     script = WRAPPER.format(root=str(ROOT), marks=repr(list(marks)))
     child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT)
+                             text=True, cwd=ROOT, preexec_fn=sigint_as_a_terminal_sends_it)
     try:
         deadline = time.monotonic() + 120
         line = ""

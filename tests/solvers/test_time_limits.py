@@ -29,6 +29,7 @@ import pytest
 
 import solvers.checkmate  # noqa: F401  (imported first: their import, OR-Tools's above all, is not timed)
 import solvers.moccasin  # noqa: F401
+from checks import sigint_as_a_terminal_sends_it
 from paths import ROOT
 from planner import save_chain
 from planner.errors import MemschedError
@@ -214,7 +215,7 @@ def interrupted(args, marks, after: float = 0.7, ready_within: float = 90.0):
     factor around it)."""
     script = WRAPPER.format(root=str(ROOT), marks=repr(list(marks)))
     child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT)
+                             text=True, cwd=ROOT, preexec_fn=sigint_as_a_terminal_sends_it)
     try:
         deadline = time.monotonic() + ready_within
         while True:
