@@ -383,6 +383,7 @@ def test_the_program_refuses_a_corrupt_plan_before_training(docs, tmp_path):
 
 # --- the schedule check refuses only what cannot run --------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_every_solver_schedule_passes_the_check_without_the_chain(seed):
     chain = random_chain(6, seed, tmp=True, params=True, own_saved=seed == 1)

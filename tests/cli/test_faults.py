@@ -100,6 +100,7 @@ def assert_untouched(path, old):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_interrupt_while_profiling(old_output):
     path, old = old_output
     # 25 stages: a progress bar on stderr, which the message must not run on from
@@ -111,6 +112,7 @@ def test_interrupt_while_profiling(old_output):
     assert_untouched(path, old)
 
 
+@pytest.mark.slow
 def test_interrupt_while_training(tmp_path):
     model, chain = "mlp:layers=16,width=8,batch=64", tmp_path / "chain.json"
     assert cli.main(["profile", model, "-o", str(chain), "--warmup", "0", "--repeats", "1"]) == 0
@@ -120,6 +122,7 @@ def test_interrupt_while_training(tmp_path):
     assert err == "memsched: interrupted\n"
 
 
+@pytest.mark.slow
 def test_interrupt_while_writing_the_output(old_output):
     """The whole new chain is in the temporary file, held before its fsync and rename: Ctrl-C there."""
     path, old = old_output

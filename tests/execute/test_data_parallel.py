@@ -194,6 +194,7 @@ def trained(request):
     torch.set_num_threads(default)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("spec, zero", CONFIGS)
 def test_ranks_train_as_one_process_within_the_predicted_peak(trained, spec, zero):

@@ -78,6 +78,7 @@ def case(request):
     return request.param, spec, graph, plans, eager_step(build(spec))
 
 
+@pytest.mark.slow
 def test_planned_steps_equal_the_eager_step_within_the_predicted_peak(case, threads):
     """At the default thread count and at one thread (the graph's sizes are its values' shapes: one profile)."""
     name, spec, graph, plans, (loss, grads, buffers) = case

@@ -234,6 +234,7 @@ def hanging_model():
     return mlp_ending_with(_HangsOnRank1())
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_hung_run_times_out_and_leaves_no_process(chain):
     import multiprocessing

@@ -179,6 +179,7 @@ SOLVER_NAMES = tuple(SOLVERS) + tuple(OFFLOAD_SOLVERS)
 
 
 
+@pytest.mark.slow
 def test_random_chains_every_solver(threads):
     """``CASES`` random chains, each under every solver at a random budget: all equal the plain step."""
     rng = random.Random(19)

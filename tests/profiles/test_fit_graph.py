@@ -101,6 +101,7 @@ def case(request):
     return request.param, model, twin, x, fitted, chain_options
 
 
+@pytest.mark.slow
 def test_the_chain_refuses_what_the_graph_plan_reaches_and_names_graph_true(case):
     name, model, _, x, fitted, chain_options = case
     reached = fitted.predicted.peak_bytes

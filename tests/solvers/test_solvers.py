@@ -124,6 +124,7 @@ def _closed_form_advances(length, snapshots):
     return r * length - beta(snapshots + 1, r - 1)
 
 
+@pytest.mark.slow
 def test_revolve_matches_the_closed_form_for_every_length_and_snapshot_count():
     for snapshots in range(1, 21):
         for length in range(1, 201):

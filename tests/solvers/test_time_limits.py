@@ -253,17 +253,20 @@ def problems(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_interrupt_in_the_least_memory_table(problems):
     # used to end in a segmentation fault (the interrupt raised inside numba's boxing of the tables)
     assert_interrupted(*interrupted(["solve", str(problems / "long.json"), "--budget", "100%", "--solver",
                                      "store_all"], [("solvers.minimum", "_least_memory_spans")]))
 
 
+@pytest.mark.slow
 def test_interrupt_in_the_pofo_table(problems):
     assert_interrupted(*interrupted(["solve", str(problems / "pofo.json"), "--budget", "30%", "--solver", "pofo",
                                      "--bandwidth", "2GB/s", "--slots", "80"], [("solvers.pofo", "_fill_spans")]))
 
 
+@pytest.mark.slow
 def test_interrupt_in_the_rotor_table(problems):
     # the table used to be one numba call, interrupted inside numba's boxing as the least-memory table was
     # (the module through sys.modules: ``solvers.rotor`` is also the function the package exports)
@@ -271,6 +274,7 @@ def test_interrupt_in_the_rotor_table(problems):
                                      "--slots", "60"], [("sys.modules['solvers.rotor']", "_fill_spans")]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph, solver, mark", [
     ("small.json", ["--solver", "checkmate"], ("solvers.checkmate.backends", "_highs_here")),
     ("large.json", ["--solver", "checkmate"], ("solvers.checkmate.backends", "_highs_child")),
