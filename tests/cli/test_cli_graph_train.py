@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from checks import measured_ratios, one_error_line, run
 from planner.graph import load_graph
 
@@ -9,6 +11,7 @@ TINY = "gpt-tiny:layers=1,d=16,heads=2,seq=8,vocab=32,batch=4"
 OTHER = "gpt-tiny:layers=1,d=16,heads=2,seq=8,vocab=32,batch=2"
 
 
+@pytest.mark.slow
 def test_profile_graph_writes_a_graph_and_train_follows_a_plan(capsys, tmp_path):
     path = tmp_path / "g.json"
     status, out, _ = run(capsys, "profile", TINY, "--graph", "--nodes", "30", "--repeats", "1", "-o", str(path))

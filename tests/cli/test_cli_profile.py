@@ -99,6 +99,7 @@ def test_profile_writes_a_chain_that_solve_accepts(tmp_path, capsys):
     assert "plan written to" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, throughput", [(MLP, ["--throughput", "1e9"]), (GPT, []), (FIXTURE, [])],
                          ids=["mlp", "gpt-tiny", "masked-factory"])
 def test_estimate_sizes_equal_the_measured_ones_to_the_byte(tmp_path, capsys, spec, throughput):

@@ -192,6 +192,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_at_random_leaves_a_whole_file(tmp_path):
     chain = random_chain(3000, seed=1, tmp=True, params=True).to_dict()  # about 1.5 MB each as written
     plan = {"format": "memsched.plan/1", "schedule": [{"op": "F_all", "stage": i} for i in range(40000)]}

@@ -77,6 +77,7 @@ def test_profiler_meter_equals_the_tracker_on_an_eager_step():
     assert abs(meter.peak / tracker.peak - 1) <= 0.001
 
 
+@pytest.mark.slow
 @pytest.mark.compile
 def test_a_hierarchical_plan_runs_compiled():
     import torch._inductor.config as inductor_config
@@ -135,6 +136,7 @@ def gpt2_block():
     return staged.stages[1][1], activation, extra
 
 
+@pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2"])
 def test_a_compiled_option_keeps_less_than_the_compiled_block(name):

@@ -107,6 +107,7 @@ def test_planned_steps_equal_the_eager_step_within_the_predicted_peak(case, thre
         assert_close(grad.grad, 2 * grads[key])
 
 
+@pytest.mark.slow
 def test_store_all_memory_follows_the_simulator_operation_by_operation(case):
     """What the executor holds after every operation is the simulator's resident memory, to the byte."""
     name, spec, graph, _, _ = case

@@ -106,6 +106,7 @@ def snapshot(params) -> list:
 # 1. The plain step, at the predicted peak; the parameters back on the host
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_name", PLANS)
 @pytest.mark.parametrize("name", SPECS)
 def test_host_weight_plan_is_the_plain_step_at_the_predicted_peak(threaded, name, plan_name):

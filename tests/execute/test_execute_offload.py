@@ -157,6 +157,7 @@ def report():
 # 1. The plain step, at the predicted peak, with less memory than without the transfers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_name", PLANS)
 @pytest.mark.parametrize("name", MODELS)
 def test_offload_plan_is_the_plain_step_at_the_predicted_peak(threaded, name, plan_name):

@@ -206,6 +206,7 @@ def pass_on_chain(kind: str) -> list:
     return [("0layer", Layer())] + middle + [("4layer", Layer())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["identity", "flatten", "dropout0", "contiguous", "split", "pair_identity",
                                   "pair_layer"])
 @pytest.mark.parametrize("solver", SOLVER_NAMES)

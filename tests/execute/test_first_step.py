@@ -175,6 +175,7 @@ def mixer_plan(mixer_file):
     return spec, chain, plan, solved.predicted.peak_bytes
 
 
+@pytest.mark.slow
 def test_the_first_step_of_a_plan_with_options_in_a_fresh_process_peaks_at_its_prediction(mixer_plan, threads):
     """Measured 2.012 of predicted at step 1 (both thread counts) before the preparation was hidden, 1.000 at
     step 2."""
@@ -183,6 +184,7 @@ def test_the_first_step_of_a_plan_with_options_in_a_fresh_process_peaks_at_its_p
     assert [round(peak / predicted, 3) for peak in peaks] == [1.0, 1.0], (threads, peaks, predicted)
 
 
+@pytest.mark.slow
 def test_the_first_step_of_fit_in_a_fresh_process_peaks_at_its_prediction(mixer_file, threads):
     measured, predicted = child(FIT_FIRST_STEP.format(threads=threads, folder=str(mixer_file.parent)))
     assert abs(measured / predicted - 1) <= 0.01, (threads, measured, predicted)

@@ -98,6 +98,7 @@ def case(request, threads):
     return request.param, model, sized_times(chain), expected, after_plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["least", "30%", "60%"])
 def test_options_run_at_their_predicted_peak_with_the_plain_gradients(case, threads, where):
     name, model, chain, expected, after_plain = case

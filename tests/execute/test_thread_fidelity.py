@@ -203,6 +203,7 @@ def test_rotor_plans_measure_their_prediction(chain_case, threads, budget):
 # The graph executor
 
 
+@pytest.mark.slow
 def test_graph_plans_measure_their_prediction(threads):
     """Store-all, and checkmate at the least memory of its schedules (it recomputes)."""
     model = convnext_like()

@@ -140,6 +140,7 @@ def _staged(spec):
     return MODELS[name](**{k: int(v) for k, v in values.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("update", ["in-backward", "on-host"])
 @pytest.mark.parametrize("spec", ["gpt2", RESNET_LIKE])
 def test_measured_peak_is_the_predicted_one(spec, update, threads):
@@ -158,6 +159,7 @@ _REFERENCE = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05),
               "adam": lambda p: torch.optim.Adam(p, lr=0.01), "adamw": lambda p: torch.optim.AdamW(p, lr=0.01)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw"])
 @pytest.mark.parametrize("update", ["in-backward", "on-host"])
 def test_three_steps_train_as_the_unmodified_step(optimizer, update):

@@ -70,6 +70,7 @@ def case(name, threads, per_thread_count):
     return per_thread_count[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["least", "middle", "store-all"])
 def test_plans_of_discovered_stages_match_the_model_and_their_prediction(name, threads, budget, case):
     model, discovery, chain, (loss, expected) = case

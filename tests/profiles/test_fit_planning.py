@@ -103,6 +103,7 @@ def test_fit_tells_its_progress(capsys):
     assert "stages discovered" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_budget_no_option_could_reach_is_refused_before_options_are_measured(monkeypatch):
     from planner import fit
 
@@ -114,6 +115,7 @@ def test_a_budget_no_option_could_reach_is_refused_before_options_are_measured(m
     assert options == []
 
 
+@pytest.mark.slow
 def test_without_options_the_exact_least_is_refused_early_and_met():
     """Sizes are deterministic: the least of one profile is the least of the next, refused one byte below it (early,
     or offering the joint graph, which may meet it) and planned at it."""

@@ -117,6 +117,7 @@ def first_computations(schedule):
     return order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, size", [(0, 12), (1, 16), (2, 20), (3, 30), (7, 24), (3, 27), (5, 29), (6, 30)])
 def test_medium_graphs_solvers_agree(seed, size):
     graph = random_graph(100 + seed, size, scale_bytes=1000, shape=SHAPES[seed % 3])
@@ -228,6 +229,7 @@ def recompute_all_order(graph):
     return order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_chain_shaped_graph_between_the_extremes(seed):
     graph = chain_graph(6, seed)

@@ -29,6 +29,7 @@ def _chains():
         yield seed, small_chain(length, seed, tmp=seed % 2 == 1, params=seed % 3 != 0, own_saved=seed % 7 < 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, chain", list(_chains()), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_hierarchical_and_its_minimum_equal_exhaustive_search(seed, chain):
     low, high = least_peak(chain), store_all_peak(chain)

@@ -68,6 +68,7 @@ CASES = [(length, devices, seed) for length, devices, seed in
          [(4, 2, 0), (5, 3, 1), (6, 2, 2), (6, 4, 3), (7, 3, 4), (8, 4, 5), (8, 2, 6), (8, 3, 7), (5, 1, 8)]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length,devices,seed", CASES)
 def test_dp_equals_brute_force(length, devices, seed):
     chain = random_chain(length, seed=seed, tmp=True, params=True, own_saved=True)

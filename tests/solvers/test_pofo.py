@@ -146,6 +146,7 @@ def test_store_all_when_it_fits_and_clear_errors():
             pofo(chain, high, Transfer(1e9, 1e9), time_limit=bad)
 
 
+@pytest.mark.slow
 def test_retiming_keeps_the_faster_plan():
     """The example chain at 30% of the way from the least memory to store-all, with copies as long as forwards:
     the class's plan stalls where the exact offload solver hides every copy; the re-timed plan is never slower

@@ -124,12 +124,14 @@ def assert_never_slower_than_sqrt_and_revolve(chain, count):
             assert plan.predicted.time <= other * (1 + 1e-12), (name, budget, plan.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_rotor_is_never_slower_than_sqrt_or_revolve(seed):
     chain = random_chain(20 + 12 * seed, seed, tmp=True, params=seed % 2 == 0, homogeneous=seed % 3 == 2)
     assert_never_slower_than_sqrt_and_revolve(chain, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_rotor_on_merged_stages_is_never_slower_than_sqrt_or_revolve(seed, monkeypatch):
     monkeypatch.setattr(rotor_module, "WORK_LIMIT", 1e6)  # 30-40 groups of 90 stages

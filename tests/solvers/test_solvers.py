@@ -66,6 +66,7 @@ def _chains_for_exhaustive_search():
         yield seed, small_chain(length, seed, tmp=seed % 2 == 1, params=seed % 3 != 0, own_saved=seed % 7 < 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, chain", list(_chains_for_exhaustive_search()),
                          ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_rotor_and_minimum_equal_exhaustive_search(seed, chain):

@@ -57,6 +57,7 @@ def _budgets(results, count=5):
     return sorted({peaks[round(i * (len(peaks) - 1) / (count - 1))] for i in range(count)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, chain, rotor_factor, factors", BRUTE_CASES, ids=[c[0] for c in BRUTE_CASES])
 def test_exact_equals_the_exhaustive_optimum(name, chain, rotor_factor, factors):
     ops = store_all_schedule(chain.length) if rotor_factor is None else own_rotor(chain, rotor_factor)
