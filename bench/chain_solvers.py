@@ -1,7 +1,9 @@
 """Chain solver benchmark: Rotor's compiled dynamic program against the same recurrence in plain Python,
-and Rotor's plans against Chen's √n segments at equal memory. Everything is measured in this one run.
+and Rotor's plans against Chen's √n segments at equal memory, and the hierarchical solver on identical
+blocks. Everything is measured in this one run.
 
     python bench/chain_solvers.py [--lengths 20 50 100 200] [--slots 500] [--plain-up-to 50] [--repeats 3]
+                                  [--blocks 48]
 
 Chains are synthetic and heterogeneous (profiles.synthetic.random_chain, with temporaries and parameter
 gradients); the budget is halfway between the least feasible memory and the store-all peak.
@@ -15,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner import ChainSimulator  # noqa: E402
+from planner import Chain, ChainSimulator  # noqa: E402
 from profiles.synthetic import random_chain  # noqa: E402
 from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
@@ -73,16 +75,33 @@ def rotor_against_sqrt(length, seeds):
                   f"{rotor_plan.predicted.overhead:15.1%} {rotor_plan.predicted.time / chen.time:16.3f}")
 
 
+def identical_blocks(blocks, repeats):
+    """The hierarchical solver on ``blocks`` identical blocks of six options each (a profiled transformer's):
+    seconds against Rotor's on the same chain (tests/solvers/test_hierarchical.py checks the plans; it asked
+    for 5 s at 48 blocks)."""
+    seed = next(seed for seed in range(1000)
+                if len(random_chain(1, seed, tmp=True, params=True, options=6).stages[0].options) == 6)
+    one = random_chain(1, seed, tmp=True, params=True, options=6).stages[0]
+    base = random_chain(blocks, 7, tmp=True, params=True)
+    chain = Chain(name="blocks", device="d", input_bytes=base.input_bytes, stages=(one,) * blocks, loss=base.loss)
+    budget = (minimum_budget(chain) + store_all_peak(chain)) // 3
+    hierarchical, _ = best_of(repeats, lambda: solve(chain, budget, "hierarchical"))
+    rotor, _ = best_of(repeats, lambda: solve(chain, budget, "rotor"))
+    print(f"\n{blocks} identical blocks, 6 options each: hierarchical {hierarchical:.2f} s, rotor {rotor:.2f} s")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 50, 100, 200])
     parser.add_argument("--slots", type=int, default=500)
     parser.add_argument("--plain-up-to", type=int, default=50, help="longest chain to run the plain DP on")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=48, help="identical blocks for the hierarchical solver")
     args = parser.parse_args()
     print(f"cores: {os.cpu_count()}")
     solve_times(args.lengths, args.slots, args.plain_up_to, args.repeats)
     rotor_against_sqrt(30, seeds=range(4))
+    identical_blocks(args.blocks, args.repeats)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Fixtures many test files share; the independent oracles live in tests/oracles/ (importable as `oracles.*`)."""
+"""Fixtures many test files share; the independent oracles live in tests/oracles/ (importable as `oracles.*`), the
+checks several folders share in tests/checks.py."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).resolve().parent
+# The helper modules (checks, paths, oracles...) import from tests/; the repository comes first so that the
+# packages are found there even when pytest runs without it on sys.path (the `pytest` script, an editable
+# install's import hook): tests/planner/ and its siblings, folders of tests, would otherwise pass for them.
+sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 
 
 @pytest.fixture(params=["default", 1])

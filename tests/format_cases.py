@@ -1,10 +1,10 @@
-"""What the format tests share: a tiny three-stage chain, the assertion that an error is one line, and
-mutations that set or delete one field of a document (the rotor plan they share is the fixture ``rotor_plan``
-in conftest.py)."""
+"""What the format tests share: a tiny three-stage chain, mutations that set or delete one field of a document,
+and operations written as text (the rotor plan they share is the fixture ``rotor_plan`` in conftest.py; the
+one-line error check is checks.py's)."""
 
 import copy
 
-from planner import MemschedError
+from planner.ops import Op
 
 BASE_CHAIN = {
     "format": "memsched.chain/1",
@@ -25,17 +25,6 @@ BASE_CHAIN = {
 
 def base_chain() -> dict:
     return copy.deepcopy(BASE_CHAIN)
-
-
-def assert_one_line(excinfo, *fragments) -> str:
-    """The error is a MemschedError with a non-empty one-line message containing every fragment."""
-    message = str(excinfo.value)
-    assert isinstance(excinfo.value, MemschedError)
-    assert message.strip(), "empty error message"
-    assert "\n" not in message and "\r" not in message, f"message spans lines: {message!r}"
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 def write_text(path, text: str):
@@ -61,3 +50,12 @@ def delete_at(*keys):
             target = target[key]
         del target[keys[-1]]
     return mutate
+
+
+def ops(text):
+    """``"F_all 0, Offload 0 saved, Loss"`` as operations."""
+    out = []
+    for word in text.split(","):
+        parts = word.split()
+        out.append(Op(parts[0], *(int(parts[1]),) if len(parts) > 1 else (), *parts[2:]))
+    return out

@@ -1,0 +1,71 @@
+"""What test files in several folders share: the one-line error check, running memsched's command line, and
+a child process's SIGINT for the Ctrl-C tests.
+
+Bad input gets one line naming the field and the fix, never a traceback: :func:`one_line` checks an error raised
+by the library (:func:`raises_one_line` calls and catches it), :func:`one_error_line` the command line's
+``memsched: error: ...``."""
+
+import signal
+
+import pytest
+
+import cli
+from planner.errors import MemschedError
+
+CLI_ERROR = "memsched: error: "
+
+
+def one_line(error, *fragments) -> str:
+    """The message of ``error`` (a raised exception, or pytest's ``ExceptionInfo`` of one), checked: a
+    :class:`MemschedError` whose message is one non-empty line holding every fragment."""
+    error = error.value if isinstance(error, pytest.ExceptionInfo) else error
+    message = str(error)
+    assert isinstance(error, MemschedError), f"{type(error).__name__}: {message}"
+    assert message.strip(), "empty error message"
+    assert "\n" not in message and "\r" not in message, f"message spans lines: {message!r}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def raises_one_line(call, *args, **kwargs) -> str:
+    """``call(*args, **kwargs)`` must raise a :class:`MemschedError`; its message, checked by :func:`one_line`."""
+    with pytest.raises(MemschedError) as info:
+        call(*args, **kwargs)
+    return one_line(info)
+
+
+def one_error_line(status, out: str, err: str, *fragments) -> str:
+    """A refusal on the command line, checked: exit status 2, stderr one line ``memsched: error: MESSAGE`` (the
+    message as :func:`one_line` wants it, holding every fragment), no traceback, nothing trained or written.
+    ``(status, out, err)``: what :func:`run` returns, or ``cli.main(...), *capsys.readouterr()``. The line."""
+    assert status == 2, (status, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(CLI_ERROR), err
+    assert "Traceback" not in err + out
+    assert "measured peak" not in out and "written to" not in out, out  # nothing trained or written
+    message = lines[0][len(CLI_ERROR):]
+    assert message.strip(), "empty error message"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return lines[0]
+
+
+def sigint_as_a_terminal_sends_it():
+    """In a child process before it starts (``Popen(preexec_fn=...)``): SIGINT's default disposition, which
+    Python turns into KeyboardInterrupt. A test run launched in the background (``cmd &`` in a script, nohup)
+    ignores SIGINT, and its children would inherit that: the Ctrl-C tests would see no interrupt at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run(capsys, *argv) -> tuple:
+    """``memsched ARGV...`` in-process (``cli.main``): ``(exit status, stdout, stderr)``; arguments as ``str``."""
+    status = cli.main([str(arg) for arg in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def measured_ratios(out: str) -> list:
+    """measured / predicted peak of each training step row of ``memsched train``'s table."""
+    rows = [line.split() for line in out.splitlines()]
+    return [float(row[-4]) for row in rows if len(row) >= 8 and row[0].isdigit() and row[1].replace(".", "").isdigit()]

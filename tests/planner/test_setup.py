@@ -1,0 +1,165 @@
+"""The training setup as one value (planner/setup/): its fields, the one table of combinations that do not mix,
+the one lowering, and one least figure for one setup wherever it is quoted (floors, budgets, refusals)."""
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+
+import solvers
+from paths import TESTS
+from planner.accumulate import accumulating_chain, held_gradient_bytes
+from planner.chain import load_chain
+from planner.errors import MemschedError
+from planner.plan import Plan
+from planner.setup import FLAGS, RULES, Run, TrainingSetup, check, lower
+from planner.setup.rules import _PRESENT
+from planner.simulate import simulate
+from planner.transfer import Transfer
+from planner.updates import updated_chain
+from solvers.budgets import least_budget, least_device_memory, solve_for_budget, whole_step_floors
+
+CHAIN = load_chain(str(TESTS / "golden" / "chain.json"))
+CHANNEL = Transfer(d2h_bandwidth=1e9, h2d_bandwidth=1e9)
+
+# For each feature, a setup and a run that have it and nothing else.
+HAVING = {
+    "accumulate": (TrainingSetup(accumulate=4), Run()),
+    "update": (TrainingSetup(update="in-backward"), Run()),
+    "transfers": (TrainingSetup(host_weights="all"), Run(transfers=True)),
+    "compile": (TrainingSetup(), Run(compile=True)),
+    "pipeline": (TrainingSetup(), Run(pipeline=True)),
+    "sharded": (TrainingSetup(), Run(sharded=True)),
+    "graph": (TrainingSetup(), Run(graph=True)),
+    "options": (TrainingSetup(), Run(options=True)),
+    "clipping": (TrainingSetup(), Run(clipping=True)),
+}
+
+
+def _both(first: str, second: str) -> tuple:
+    """A setup and a run having the features ``first`` and ``second``."""
+    (a, run_a), (b, run_b) = HAVING[first], HAVING[second]
+    fields = {name: getattr(b, name) for name in ("update", "accumulate", "host_weights")
+              if getattr(b, name) != getattr(TrainingSetup(), name)}
+    runs = {name: getattr(run_a, name) or getattr(run_b, name) for name in Run.__dataclass_fields__}
+    return dataclasses.replace(a, **fields), Run(**runs)
+
+
+def test_every_feature_is_spelled_by_both_interfaces_and_has_a_witness():
+    assert set(FLAGS["cli"]) == set(FLAGS["fit"]) == set(_PRESENT) == set(HAVING)
+    for feature, (setup, run) in HAVING.items():
+        assert [name for name, present in _PRESENT.items() if present(setup, run)] == [feature]
+
+
+def test_each_combination_is_ruled_once():
+    pairs = [frozenset((rule.first, rule.second)) for rule in RULES]
+    assert len(pairs) == len(set(pairs)) and all(len(pair) == 2 for pair in pairs)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: f"{rule.first}-{rule.second}")
+@pytest.mark.parametrize("interface", ["cli", "fit"])
+def test_a_rule_refuses_its_pair_in_one_line_naming_both(rule, interface):
+    setup, run = _both(rule.first, rule.second)
+    with pytest.raises(MemschedError) as caught:
+        check(setup, run, interface)
+    message = str(caught.value)
+    first, second = (FLAGS[interface][f].format(accumulate=4, update="in-backward") for f in (rule.first, rule.second))
+    assert "\n" not in message and message.startswith(first) and second in message and rule.why in message
+    for alone in (rule.first, rule.second):
+        check(*HAVING[alone])  # each feature alone is fine
+
+
+def test_pairs_no_rule_names_are_allowed():
+    ruled = {frozenset((rule.first, rule.second)) for rule in RULES}
+    for first, second in itertools.combinations(HAVING, 2):
+        if frozenset((first, second)) not in ruled:
+            check(*_both(first, second))
+
+
+def test_the_setup_fields_are_checked_in_one_line():
+    for fields, wanted in (({"accumulate": 0}, "accumulate"), ({"host_stages": (1,)}, "on-host"),
+                           ({"update": "on-host", "host_stages": "x"}, "host_stages"),
+                           ({"host_weights": "1,x"}, "weights"), ({"host_weights": [-1]}, "weights")):
+        with pytest.raises(MemschedError, match=wanted) as caught:
+            TrainingSetup(**fields)
+        assert "\n" not in str(caught.value)
+    assert TrainingSetup(host_weights="3, 1,3").host_weights == (1, 3)
+    assert TrainingSetup(update="on-host", host_stages=[4, 2]).host_stages == (2, 4)
+
+
+def test_lower_applies_the_update_then_accumulation():
+    hosted = TrainingSetup(update="on-host", host_stages=(1, 2))
+    assert lower(CHAIN, hosted, CHANNEL).chain == updated_chain(CHAIN, "on-host", CHANNEL, (1, 2))
+    assert lower(CHAIN, TrainingSetup()).chain == CHAIN and lower(CHAIN, TrainingSetup()).held_bytes == 0
+    accumulating = lower(CHAIN, TrainingSetup(accumulate=3))
+    assert accumulating.chain == accumulating_chain(CHAIN) and accumulating.held_bytes == held_gradient_bytes(CHAIN)
+
+
+def test_solve_does_not_recurse(monkeypatch):
+    original, calls = solvers.solve, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[2] if len(args) > 2 else kwargs.get("solver"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(solvers, "solve", counted)
+    budget = solvers.store_all_peak(CHAIN) * 8 // 10
+    for setup in (TrainingSetup(), TrainingSetup(update="in-backward"), TrainingSetup(accumulate=2),
+                  TrainingSetup(update="on-host", host_stages=(1,)), TrainingSetup(host_weights=(1, 3))):
+        calls.clear()
+        solvers.solve(CHAIN, budget * (2 if setup.accumulate > 1 else 1), "auto", setup, transfer=CHANNEL)
+        assert len(calls) == 1, setup
+
+
+@pytest.mark.parametrize("setup", [TrainingSetup(precision="bf16"), TrainingSetup(), TrainingSetup(zero=2, dp=2),
+                                   TrainingSetup(optimizer="sgd", precision="fp16", zero=1, dp=4)],
+                         ids=["bf16", "fp32", "zero2", "fp16-zero1"])
+@pytest.mark.parametrize("update", ["after", "in-backward"])
+def test_one_least_figure_for_one_setup(setup, update):
+    """The floor ``memory`` prints is the least device memory ``solve --budget auto`` accepts, and the refusal one
+    byte below it quotes that figure (on gpt-tiny in bf16 they were 20.7 MiB, 21.9 MiB and 10.0 MiB)."""
+    setup = dataclasses.replace(setup, update=update)
+    floor = next(f for f in whole_step_floors(CHAIN, setup) if f.update == update).total
+    assert floor == least_device_memory(CHAIN, setup)
+    plan, how = solve_for_budget(CHAIN, "auto", "auto", setup, floor)
+    assert plan.budget_bytes == least_budget(CHAIN, setup) and plan.predicted.peak_bytes <= plan.budget_bytes
+    with pytest.raises(MemschedError) as caught:
+        solve_for_budget(CHAIN, "auto", "auto", setup, floor - 1)
+    message = str(caught.value)
+    assert "\n" not in message and f"least device memory for this setup is {floor} bytes" in message
+
+
+def test_a_plan_records_its_setup_and_is_simulated_through_it(tmp_path):
+    setup = TrainingSetup(optimizer="adamw", precision="bf16", zero=3, dp=2, accumulate=2)
+    plan = solvers.solve(CHAIN, solvers.store_all_peak(CHAIN, 2) * 7 // 10, "auto", setup)
+    assert plan.setup == setup
+    raw = plan.to_dict()
+    assert raw["setup"] == {"optimizer": "adamw", "precision": "bf16", "zero": 3, "dp": 2} and raw["accumulate"] == 2
+    again = Plan.from_dict(json.loads(json.dumps(raw)))
+    assert again.setup == setup and simulate(CHAIN, again).peak_bytes == plan.predicted.peak_bytes
+    assert "setup" not in solvers.solve(CHAIN, solvers.store_all_peak(CHAIN), "auto").to_dict()
+    for bad, wanted in (({"zero": 5}, "zero"), ({"epochs": 1}, "epochs")):
+        with pytest.raises(MemschedError, match=wanted):
+            Plan.from_dict(dict(raw, setup=dict(raw["setup"], **bad)))
+    with pytest.raises(MemschedError, match="--accumulate 2 does not mix with --update in-backward"):
+        Plan.from_dict(dict(raw, update="in-backward"))
+
+
+def test_fit_takes_the_setup_as_one_value():
+    torch = pytest.importorskip("torch")
+    from planner import fit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+                                  for _ in range(4)))
+    x = torch.randn(8, 16)
+    quick = dict(warmup=0, repeats=1, stage_options=0, progress=False, loss_fn=lambda out: out.square().mean())
+    fitted = fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick)
+    assert fitted.plan.setup == TrainingSetup(accumulate=3) and len(fitted.micro_batch_peaks) == 3
+    for given, wanted in (({"accumulate": 2}, "accumulate= is a field of the setup given"),
+                          ({"update": "in-backward"}, "update= is a field of the setup given"),
+                          ({"compile": True}, "accumulate=3 does not mix with compile=True")):
+        with pytest.raises(MemschedError, match=wanted) as caught:
+            fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick, **given)
+        assert "\n" not in str(caught.value)
