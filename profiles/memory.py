@@ -42,7 +42,7 @@ class ProfilerMemoryMeter:
     """CPU memory of code a dispatch-mode tracker cannot see into (``torch.compile``'s): the allocation and free
     events ``torch.profiler`` records inside the window, added up in time order. ``peak`` (bytes above the
     level at entry) is known once the window has closed; ``current`` is 0 at entry. On an eager step it equals
-    the live-memory tracker's peak (tests/test_compiled.py)."""
+    the live-memory tracker's peak (tests/execute/test_compiled.py)."""
 
     def __init__(self):
         self.current = 0
