@@ -14,8 +14,8 @@ from planner.errors import MemschedError
 from planner.setup import TrainingSetup, lower
 from planner.setup.training import (
     activation_budget,
-    chain_gradient_bytes,
     describe_auto_budget,
+    extra_gradient_bytes,
     parameters_of,
     resident_on_device,
 )
@@ -73,15 +73,14 @@ def least_budget(chain, setup: TrainingSetup, solver: str = "auto") -> int:
     """Bytes: the least budget :func:`solvers.solve` accepts for ``chain`` under ``setup`` with a recomputation
     ``solver``: the least peak of the lowered step (stage options used by ``auto`` and ``hierarchical``) and what
     the setup holds beside it (:func:`planner.setup.lower`). Weights on the host are left out (their reserve
-    depends on the stages chosen)."""
-    lowered = lower(chain, dataclasses.replace(setup, host_weights=None))
+    depends on the stages chosen; the lowering does not read them)."""
+    lowered = lower(chain, setup)
     return lowered.held_bytes + minimum_budget(lowered.chain, options=solver in ("auto", "hierarchical"))
 
 
 def least_device_memory(chain, setup: TrainingSetup, solver: str = "auto") -> int:
     """Bytes: the least device memory whose ``--budget auto`` (:func:`budget_of`) reaches :func:`least_budget`."""
-    extra = max(0, setup.gradient_bytes(parameters_of(chain)) - chain_gradient_bytes(chain))
-    return resident_on_device(chain, setup) + extra + least_budget(chain, setup, solver)
+    return resident_on_device(chain, setup) + extra_gradient_bytes(chain, setup) + least_budget(chain, setup, solver)
 
 
 def device_budget_report(chain, setup, device_memory: int, parameters: int) -> list:
@@ -125,9 +124,8 @@ def whole_step_floors(chain, setup: TrainingSetup) -> list:
     parameters = parameters_of(chain)
     floors, steps = [], {}
     for update in UPDATES:
-        trained = dataclasses.replace(setup, update=update, host_stages=None, host_weights=None)
+        trained = dataclasses.replace(setup, update=update, host_stages=None)
         parts = trained.resident_parts(parameters)
-        extra = max(0, trained.gradient_bytes(parameters) - chain_gradient_bytes(chain))
         # on the host the step's bytes are in-backward's (its copies take time only): one least schedule for both
         kind = "after" if update == "after" else "in-backward"
         if kind not in steps:
@@ -138,7 +136,7 @@ def whole_step_floors(chain, setup: TrainingSetup) -> list:
             steps[kind] = (result.peak_bytes, _working_set(problem, peak.op),
                            sum(problem.stages[k].param_bytes for k in done))
         step, at, gradients = steps[kind]
-        floors.append(Floor(update, parts, step + extra, at, gradients))
+        floors.append(Floor(update, parts, step + extra_gradient_bytes(chain, trained), at, gradients))
     return floors
 
 

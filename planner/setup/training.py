@@ -186,6 +186,12 @@ def resident_on_device(chain, setup: TrainingSetup) -> int:
     return setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
 
 
+def extra_gradient_bytes(chain, setup: TrainingSetup) -> int:
+    """Bytes of the setup's gradients beyond the chain's ``param_bytes`` (0 but for a chain not profiled in fp32:
+    the chain's gradients stand in for the setup's, which are never larger otherwise)."""
+    return max(0, setup.gradient_bytes(parameters_of(chain)) - chain_gradient_bytes(chain))
+
+
 def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
     """Bytes left for the chain's step budget (activations, temporaries and the chain's parameter gradients)
     once ``setup``'s resident state is on a device of ``device_memory`` bytes.
@@ -199,7 +205,7 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
         raise MemschedError(f"device memory: expected a whole number of bytes >= 1, got {device_memory!r}")
     parameters = parameters_of(chain)
     resident = resident_on_device(chain, setup)
-    extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
+    extra_gradients = extra_gradient_bytes(chain, setup)
     budget = device_memory - resident - extra_gradients
     if budget <= 0:
         extra = f" and {extra_gradients} bytes of gradients beyond the chain's" if extra_gradients else ""
@@ -219,7 +225,7 @@ def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str
     some = "" if setup.host_stages is None else f" for {len(setup.host_stages)} of {chain.length} stages"
     how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(resident)} for {parameters} parameters "
            f"({setup.describe()}{some})")
-    extra_gradients = max(0, setup.gradient_bytes(parameters) - chain_gradient_bytes(chain))
+    extra_gradients = extra_gradient_bytes(chain, setup)
     if extra_gradients:
         how += f" - {extra_gradients} bytes of gradients beyond the chain's"
     if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain):
