@@ -207,7 +207,7 @@ def measure(chain_path: str) -> dict:
 
 def column(checkout: str, chain: str) -> tuple:
     """``(label, figures)`` of ``checkout``, measured in a process of its own."""
-    out = subprocess.run([sys.executable, str(HERE), "--json", "--chain", chain], cwd=checkout, capture_output=True,
+    out = subprocess.run([sys.executable, str(HERE), "--json", "--chain", chain], cwd=checkout, stdout=subprocess.PIPE,
                          text=True, check=True, env=dict(os.environ, PYTHONPATH=str(Path(checkout).resolve()))).stdout
     commit = subprocess.run(["git", "-C", checkout, "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
@@ -220,7 +220,7 @@ def table(columns: list, chain: str) -> None:
         print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
         print("\n".join("| " + " | ".join(" → ".join(map(str, cells)) for cells in line) + " |" for line in lines))
         print()
-    print(f"chain {chain}; checkouts", " → ".join(label for label, _ in columns), "\n")
+    print(f"chain {chain}; checkouts", " → ".join(label for label, _ in columns) + "\n")
     rows(["solve called with", "static walk: functions", "files", "stays", "returns"], [[[c["spelling"] for _, c in
           columns], *([c["static"][k] for _, c in columns] for k in ("functions", "files", "stays", "returns"))]])
     rows(["dynamic trace of solve", "files", "moves", "moves back", "distinct calls", "depth", "solve entries"],
@@ -229,7 +229,7 @@ def table(columns: list, chain: str) -> None:
           for name, (share, _, _) in PATHS.items()])
     for label, c in columns:
         print(f"package -> package calls, {label}:", ", ".join(sorted(set(sum(
-            (f.get("packages", []) for f in c["paths"].values()), [])))))
+            (f["packages"] for f in c["paths"].values()), [])))))
 
 
 def main():
