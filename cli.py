@@ -21,7 +21,7 @@ from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
 from planner.setup import Run, TrainingSetup, check
 from planner.setup.flags import FIELD_FLAGS, SIZING_FLAGS, setup_from_flags
-from planner.setup.training import OPTIMIZERS, PRECISIONS, parameters_of
+from planner.setup.training import OPTIMIZERS, PRECISIONS, device_sizes, parameters_of
 from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
 from planner.updates import UPDATES
@@ -149,7 +149,9 @@ def _setup(args, pipeline: bool = False, sharded: bool = False) -> TrainingSetup
 
 def _solved(args, chain) -> tuple:
     """``(plan, how)`` by :func:`solvers.budgets.solve_for_budget`, the setup flags refused but with --budget auto."""
-    given = _given(args, "--device-memory", *SIZING_FLAGS)
+    setup = _setup(args)  # ZeRO over ranks shapes the step (planner/sharding.py): not only --budget auto's
+    given = [flag for flag in _given(args, "--device-memory", *SIZING_FLAGS)
+             if not (setup.sharded and flag in ("--zero", "--dp"))]
     if args.budget != "auto" and given:
         raise MemschedError(f"{given[0]} sizes the memory besides activations for --budget auto: "
                             "give --budget auto with it, or drop it")
@@ -157,7 +159,7 @@ def _solved(args, chain) -> tuple:
     memory = parse_budget(args.device_memory, what="--device-memory") if auto else None
     params = dict(_offload_params(args, chain, args.solver),
                   **{name: getattr(args, name) for name in ("slots", "segments", "snapshots") if hasattr(args, name)})
-    return solve_for_budget(chain, args.budget, args.solver, _setup(args), memory, args.update == "auto", **params)
+    return solve_for_budget(chain, args.budget, args.solver, setup, memory, args.update == "auto", **params)
 
 
 def _channel(args, chain=None, needed_by: str = None):
@@ -366,8 +368,7 @@ def _train(args) -> None:
 
     checked_device(args.device)
     if args.dp is not None or args.zero is not None:
-        _train_sharded(args)
-        return
+        return _train_sharded(args)
     if args.progress_timeout is not None and (args.graph or not args.plan):
         raise MemschedError("--progress-timeout bounds a pipeline run: give it with --plan pipeline.json")
     if not args.graph and args.plan and (args.device_memory is not None or args.budget == "auto"
@@ -377,8 +378,7 @@ def _train(args) -> None:
     _setup(args, pipeline=bool(args.plan) and load_plan(args.plan).kind == "pipeline")  # what does not mix, first
     model, _ = load_model(args.spec, batch=args.batch)
     if args.graph:
-        _train_graph(args, model)
-        return
+        return _train_graph(args, model)
     if args.time_limit is not None:
         raise MemschedError("--time-limit is for graph solvers: give it with --graph")
     if args.plan:
@@ -421,17 +421,18 @@ def _demo(args) -> None:
 
 
 def _train_sharded(args) -> None:
-    """``train --dp N``: one rank's sharded step profiled and solved here, trained on N processes."""
+    """``train --dp N``: one rank's sharded step, solved here or by ``--plan``, trained on N processes."""
     from profiles.sharded_training import train_data_parallel
 
-    _setup(args, sharded=True)  # a sharded step's refusals (planner/setup/rules.py)
-    unused = _given(args, "--plan", "--chain", "--max-grad-norm") + (["--graph"] if args.graph else [])
-    if unused or args.dp is None or not args.budget:
-        raise MemschedError("train --dp N [--zero 1|2|3] --budget B profiles and solves one rank's step itself, "
-                            "eagerly, updating after the backward: " + (f"drop {unused[0]}" if unused else
-                                                                         "give --dp and --budget"))
+    _setup(args, sharded=True)  # a sharded step's refusals (planner/setup/rules.py), --graph's among them
+    unused = _given(args, "--chain", "--max-grad-norm", *(("--budget", "--device-memory") if args.plan else ()))
+    if unused or args.dp is None or not (args.budget or args.plan):
+        fix = f"drop {unused[0]}" if unused else "give --dp and --budget"
+        raise MemschedError("train --dp N [--zero 1|2|3] (--budget B | --plan P.json) trains one rank's step eagerly, "
+                            f"updating after the backward: {fix}")
     print("\n".join(train_data_parallel(
         args.spec, args.batch, args.dp, 3 if args.zero is None else args.zero, args.budget,
+        plan=load_plan(args.plan) if args.plan else None,
         device_memory=args.device_memory, solver=args.solver, steps=args.steps, device=args.device, lr=args.lr,
         progress_timeout=args.progress_timeout or 300.0)))
 
@@ -578,7 +579,7 @@ def _memory(args) -> None:
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if device_memory is None
               else device_budget_report(chain, setup, device_memory, parameters))
-    print("\n".join(lines + render.setup_lines(setup, parameters) + budget
+    print("\n".join(lines + render.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
                     + render.floor_lines(whole_step_floors(chain, setup))))
 
 

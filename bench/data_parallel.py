@@ -25,17 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import solvers  # noqa: E402
 from planner.execute.data_parallel import run_data_parallel  # noqa: E402
-from planner.execute.sharded import residents_of, shard_units  # noqa: E402
-from planner.execute.stages import named_stages  # noqa: E402
-from planner.setup.training import TrainingSetup  # noqa: E402
-from planner.sharding import sharded_chain, step_constant  # noqa: E402
+from planner.setup import lower  # noqa: E402
+from planner.setup.training import TrainingSetup, resident_on_device  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.memory import memory_meter  # noqa: E402
 from profiles.options import DEFAULT_OPTIONS  # noqa: E402
 from profiles.spec import built_model  # noqa: E402
 from profiles.training import train_chain_plan  # noqa: E402
-from solvers.budgets import whole_step_floors  # noqa: E402
-from solvers.minimum import minimum_budget  # noqa: E402
+from solvers.budgets import least_budget, whole_step_floors  # noqa: E402
 
 MIB = 2**20
 MODELS = {"gpt2": "examples/gpt2_factory.py:build", "resnet-like": "resnet-tiny:channels=128,size=16"}
@@ -57,26 +54,24 @@ def rows(name: str, steps: int) -> list:
              f"({1 - floors['in-backward'].total / today.total:6.1%} lower)"]
     del whole
     part = built_model(spec, batch=BATCH, part=(0, 2))
-    pairs = named_stages(part.stages)
     rank_chain = profile_chain(part.stages, part.example_inputs, loss_fn=part.loss_fn, name=name, options=0)
-    units = shard_units(pairs, 2)
     for zero in (1, 2, 3):
-        resident = max(residents_of(pairs, zero, 2))
-        sharded = sharded_chain(rank_chain, zero, units)
-        constant = step_constant(zero, units)
+        setup = TrainingSetup(zero=zero, dp=2)
+        resident, lowered = resident_on_device(rank_chain, setup), lower(rank_chain, setup)  # one rank's step
         plain = None
-        for what, budget in (("store-all", solvers.store_all_peak(sharded)), ("least", minimum_budget(sharded))):
-            plan = solvers.solve(sharded, budget, "rotor")
-            predicted = plan.predicted.peak_bytes + constant
+        for what, step in (("store-all", solvers.store_all_peak(lowered.chain) + lowered.held_bytes),
+                           ("least", least_budget(rank_chain, setup, "rotor"))):
+            plan = solvers.solve(rank_chain, step, "rotor", setup)
+            predicted = plan.predicted.peak_bytes
             results = run_data_parallel(functools.partial(built_model, spec, batch=BATCH), plan, zero, 2, steps,
-                                        meter=memory_meter, predicted=predicted, chain=sharded)
-            floor = resident + budget + constant
+                                        meter=memory_meter, predicted=predicted, chain=rank_chain)
+            floor = resident + step
             worst = max(abs(r.measured / predicted - 1) for r in results)
             seconds = statistics.median(s for r in results for s in r.seconds[1:] or r.seconds)
             plain = plain or seconds
             lines.append(f"  2 ranks      ZeRO {zero} {what:<9} {floor / MIB:8.2f} MiB per rank "
                          f"({1 - floor / today.total:6.1%} lower; resident {resident / MIB:6.2f} + step "
-                         f"{(budget + constant) / MIB:6.2f}), measured/predicted peak within {worst:.4%}, "
+                         f"{step / MIB:6.2f}), measured/predicted peak within {worst:.4%}, "
                          f"step {seconds:.4f} s ({seconds / single:.2f}x one device's, {seconds / plain:.2f}x "
                          "store-all's)")
     return lines

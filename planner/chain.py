@@ -4,9 +4,9 @@ Stage ``i`` (0 <= i < L) maps activation ``a_i`` to ``a_{i+1}``; ``a_0`` is the 
 closes the chain. A :class:`Stage` gives the seconds of its forward and backward and the bytes of what it
 makes, keeps and needs transiently; a :class:`Chain` may also carry the device-host copy channel
 (``transfer``, left out of the fingerprint: it describes the machine, not the model), the parameters several
-stages share (``shared``, planner/shared.py) and what it was measured on (``measured_on``,
-planner/measured_on.py). Every field is defined in docs/formats.md (``memsched.chain/1``), and how the
-simulator counts them in docs/model.md.
+stages share (``shared``, planner/shared.py), what it was measured on (``measured_on``,
+planner/measured_on.py) and its parameters' rows (``layout``, planner/layout.py: what sharding needs). Every
+field is defined in docs/formats.md (``memsched.chain/1``), and how the simulator counts them in docs/model.md.
 """
 
 import dataclasses
@@ -18,6 +18,7 @@ from pathlib import Path
 import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json, write_json_atomic
+from planner.layout import layout_from_list, layout_to_list
 from planner.measured_on import MeasuredOn
 from planner.shared import shared_from_list
 from planner.transfer import Transfer
@@ -28,7 +29,8 @@ _STAGE_FIELDS = ("name", "fwd_time", "bwd_time", "out_bytes", "saved_bytes", "fw
                  "bwd_tmp_bytes", "param_bytes", "own_saved_bytes", "options", "held_bwd_tmp_bytes")
 _OPTION_FIELDS = ("recompute", "fwd_time", "bwd_time", "saved_bytes", "own_saved_bytes", "fwd_tmp_bytes",
                   "bwd_tmp_bytes")
-_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared")
+_CHAIN_FIELDS = ("format", "name", "device", "input_bytes", "stages", "loss", "transfer", "measured_on", "shared",
+                 "layout")
 _LOSS_FIELDS = ("bwd_time", "tmp_bytes", "saved_bytes")
 
 
@@ -142,6 +144,7 @@ class Chain:
     transfer: Transfer = None  # the copy channel, when measured or given
     measured_on: MeasuredOn = None  # the input and parameter tensors it was measured on, when recorded
     shared: tuple = ()  # planner.shared.SharedParameter: parameters several stages read (tied weights)
+    layout: tuple = None  # per stage, planner.layout.ParameterRows: what sharding cuts (None: not recorded)
 
     @property
     def length(self) -> int:
@@ -182,6 +185,7 @@ class Chain:
             **({} if self.transfer is None else {"transfer": self.transfer.to_dict()}),
             **({} if self.measured_on is None else {"measured_on": self.measured_on.to_dict()}),
             **({"shared": [entry.to_dict() for entry in self.shared]} if self.shared else {}),
+            **({} if self.layout is None else {"layout": layout_to_list(self.layout)}),
         }
 
     def fingerprint(self) -> str:
@@ -211,9 +215,11 @@ class Chain:
         transfer = None if data.get("transfer") is None else Transfer.from_dict(data["transfer"], f"{where}: transfer")
         measured = None if data.get("measured_on") is None else MeasuredOn.from_dict(
             data["measured_on"], f"{where}: measured_on", len(stages))
+        layout = None if data.get("layout") is None else layout_from_list(data["layout"], f"{where}: layout",
+                                                                         len(stages))
         return cls(name=name, device=device, input_bytes=input_bytes, stages=stages, loss=loss, transfer=transfer,
                    measured_on=measured, shared=shared_from_list(data.get("shared"), f"{where}: shared", len(stages),
-                                                            stages))
+                                                            stages), layout=layout)
 
 
 def _stage_from_dict(raw, where: str, index: int) -> Stage:

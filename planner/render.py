@@ -354,17 +354,19 @@ def pareto_report(chain, sweep, channel=None) -> list:
     ]
 
 
-def setup_lines(setup, parameters: int) -> list:
+def setup_lines(setup, parameters: int, sizes: dict = None) -> list:
     """``memsched memory``'s table for a :class:`planner.setup.training.TrainingSetup`: per item, bytes per
-    parameter and bytes per device for ``parameters``, then the resident bytes and those with gradients."""
-    per_parameter, sizes = setup.per_parameter(), setup.breakdown(parameters)
+    parameter and bytes per device for ``parameters`` (``sizes``, when given: a sharded step's largest rank's),
+    then the resident bytes and those with gradients."""
+    per_parameter, sizes = setup.per_parameter(), sizes or setup.breakdown(parameters)
     labels = {"params": "parameters", "grads": "gradients", "master": "fp32 master copy",
               "optimizer": "optimizer state"}
     lines = [f"setup      {setup.describe()}", "", f"{'per device':<18} {'bytes/param':>11} {'bytes':>16} {'':>11}"]
     for item in ITEMS:
         lines.append(f"{labels[item]:<18} {per_parameter[item]:>11.6g} {sizes[item]:>16} "
                      f"{format_bytes(sizes[item]):>11}")
-    resident = setup.resident_bytes(parameters)
+    resident = sizes["params"] + sizes["master"] + sizes["optimizer"] if setup.sharded else \
+        setup.resident_bytes(parameters)
     total = resident + sizes["grads"]
     return lines + [f"{'resident':<18} {'':>11} {resident:>16} {format_bytes(resident):>11}   "
                     "parameters + master copy + optimizer state, before the step",

@@ -32,9 +32,11 @@ all-gather again, which the model above does not count (and ZeRO 1 runs the same
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from planner.errors import MemschedError
+from planner.layout import shared_bytes, trainable_sizes
 
 ZERO_STAGES = (1, 2, 3)  # 1: ZeroRedundancyOptimizer; 2, 3: FSDP2's fully_shard
 ADAM_STATE_PER_BYTE = 2  # Adam's two fp32 moments: 8 bytes per 4-byte fp32 parameter
@@ -100,16 +102,45 @@ def zero1_partition(sizes, dp: int) -> list:
     return owners
 
 
-def rank_residents(zero: int, dp: int, units, replicated: int, sizes) -> list:
-    """Per rank, what it keeps between steps (fp32 parameters, Adam state): ZeRO 1, the whole parameters
-    (``sizes``: each trainable parameter's bytes) and the state of its part (:func:`zero1_partition`); ZeRO 2
-    and 3, its padded shards and the ``replicated`` bytes of parameters kept whole, with their state (a shard's
-    state counted at its padded size: at most a row per parameter more). Adam's step counters (4 bytes per
-    parameter tensor) are left out."""
+def shard_units(layout: tuple, dp: int) -> list:
+    """A :class:`ShardUnit` per stage of ``layout`` (planner/layout.py) as ``fully_shard`` cuts it over ``dp``
+    ranks: each parameter cut along its rows, padded to a multiple of ``dp``; shared parameters are not sharded."""
+    units = []
+    for stage in layout:
+        own = [parameter for parameter in stage if parameter.kind != "shared"]
+        per_rank = [-(-parameter.rows // dp) * parameter.row_bytes for parameter in own]
+        units.append(ShardUnit(gathered=dp * sum(per_rank), shard=sum(per_rank),
+                               gradients=sum(parameter.bytes for parameter in own if parameter.kind == "trainable")))
+    return units
+
+
+def rank_parts(zero: int, dp: int, layout: tuple, per_byte: dict) -> list:
+    """Per rank, ``{"params", "grads", "master", "optimizer"}``: the bytes of the parameters of ``layout`` (fp32
+    bytes, as profiled) it keeps between steps, and of the gradients its step leaves, each item's bytes per fp32
+    byte given by ``per_byte`` (fp32 Adam: ``{"params": 1, "grads": 1, "master": 0, "optimizer": 2}``), rounded
+    up to whole bytes. ZeRO 1 keeps the whole parameters and gradients and the state (master copy, optimizer) of
+    its part (:func:`zero1_partition`); ZeRO 2 and 3 their padded shards (:func:`shard_units`) and the shared
+    parameters, kept whole, with the gradients and state of those needing gradients (a shard's counted at its
+    padded size: at most a row per parameter more). Adam's step counters (4 bytes per tensor) are left out."""
+    sizes = trainable_sizes(layout)
     if zero == 1:
         loads = [0] * dp
         for size, owner in zip(sizes, zero1_partition(sizes, dp)):
             loads[owner] += size
-        return [sum(sizes) + ADAM_STATE_PER_BYTE * load for load in loads]
-    kept = sum(unit.shard for unit in units) + replicated
-    return [kept * (1 + ADAM_STATE_PER_BYTE)] * dp
+        whole = sum(parameter.bytes for stage in layout for parameter in stage)
+        kept = [(whole, sum(sizes), load) for load in loads]
+    else:
+        shards = [(-(-parameter.rows // dp) * parameter.row_bytes, parameter.kind) for stage in layout
+                  for parameter in stage if parameter.kind != "shared"]
+        trained = sum(size for size, kind in shards if kind == "trainable") + shared_bytes(layout)
+        kept = [(sum(size for size, _ in shards) + shared_bytes(layout), trained, trained)] * dp
+    return [{"params": math.ceil(params * per_byte["params"]), "grads": math.ceil(grads * per_byte["grads"]),
+             "master": math.ceil(state * per_byte["master"]), "optimizer": math.ceil(state * per_byte["optimizer"])}
+            for params, grads, state in kept]
+
+
+def rank_residents(zero: int, dp: int, layout: tuple, per_byte: dict = None) -> list:
+    """Per rank, the bytes of :func:`rank_parts` kept between steps (parameters, master copy, optimizer state);
+    ``per_byte`` defaults to fp32 Adam's."""
+    per_byte = per_byte or {"params": 1, "grads": 1, "master": 0, "optimizer": ADAM_STATE_PER_BYTE}
+    return [parts["params"] + parts["master"] + parts["optimizer"] for parts in rank_parts(zero, dp, layout, per_byte)]

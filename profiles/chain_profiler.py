@@ -26,7 +26,7 @@ from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.execute.autograd import accumulate_grads
 from planner.execute.live_memory import LiveMemoryTracker
-from planner.execute.records import measured_on, shared_parameters
+from planner.execute.records import measured_on, parameter_layout, shared_parameters
 from planner.execute.selective import forward_nodes, recomputation, run_with_option
 from planner.execute.stages import (
     checked_device,
@@ -114,7 +114,8 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         if transfer is None and fake_mode is None:
             transfer = measure_transfer(device)
         chain = Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
-                      transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs))
+                      transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs),
+                      layout=parameter_layout(pairs))
         if options:
             known = {}
 

@@ -149,6 +149,9 @@ def _beside_the_step(setup: TrainingSetup, held: int, weights, reserve: int) -> 
     if setup.accumulate > 1:
         return "the gradients", (f"accumulating gradients over {setup.accumulate} micro-batches holds every gradient "
                                  f"({format_bytes(held)}) from the second micro-batch's start")
+    if setup.sharded and held:
+        return "ZeRO 2's whole parameters", (f"ZeRO 2 holds every stage's whole parameters ({format_bytes(held)}) "
+                                             "through the step")
     if weights is not None:
         return (f"the parameters of two host-weight stages ({format_bytes(reserve)})",
                 f"with the parameters of {len(weights)} stages on the host, {format_bytes(reserve)} is kept for the "

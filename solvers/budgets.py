@@ -18,6 +18,7 @@ from planner.setup.training import (
     extra_gradient_bytes,
     parameters_of,
     resident_on_device,
+    resident_parts_on_device,
 )
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
@@ -121,16 +122,16 @@ def whole_step_floors(chain, setup: TrainingSetup) -> list:
     """A :class:`Floor` per update of :data:`planner.updates.UPDATES` for ``chain`` trained with ``setup``'s
     optimizer, precision and ZeRO stage (its own update ignored; on the host, every stage): its ``total`` is
     :func:`least_device_memory`, the least memory ``solve --budget auto`` accepts (stage options used)."""
-    parameters = parameters_of(chain)
     floors, steps = [], {}
-    for update in UPDATES:
+    for update in ("after",) if setup.sharded else UPDATES:  # a sharded step updates after the backward
         trained = dataclasses.replace(setup, update=update, host_stages=None)
-        parts = trained.resident_parts(parameters)
+        parts = resident_parts_on_device(chain, trained)
         # on the host the step's bytes are in-backward's (its copies take time only): one least schedule for both
         kind = "after" if update == "after" else "in-backward"
         if kind not in steps:
-            problem = lower(chain, trained).chain
-            result = ChainSimulator(problem).run(least_memory_schedule(problem, options=True))
+            lowered = lower(chain, trained)  # ZeRO 2's whole parameters held beside the step
+            problem = lowered.chain
+            result = ChainSimulator(problem, lowered.held_bytes).run(least_memory_schedule(problem, options=True))
             peak = max(result.timeline, key=lambda step: step.peak)
             done = {step.op.stage for step in result.timeline[:peak.index] if step.op.kind == "B"}
             steps[kind] = (result.peak_bytes, _working_set(problem, peak.op),
@@ -212,16 +213,26 @@ def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, devi
 
 
 def budget_of(chain, budget: str, setup: TrainingSetup, device_memory: int = None) -> tuple:
-    """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against ``chain``'s store-all
-    peak (over ``setup.accumulate`` micro-batches: :func:`solvers.store_all_peak`), and None; for ``"auto"``, the
+    """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against the store-all peak of
+    ``chain``'s step (:func:`_store_all_of`), and None; for ``"auto"``, the
     activation budget that ``device_memory`` bytes leave under ``setup`` and how, in words."""
     if budget != "auto":
-        return parse_budget(budget, store_all_peak(chain, setup.accumulate)), None
+        return parse_budget(budget, _store_all_of(chain, setup)), None
     if device_memory is None:
         raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
                             "(e.g. 80GiB)")
     return (activation_budget(chain, setup, device_memory),
             describe_auto_budget(chain, setup, device_memory))
+
+
+def _store_all_of(chain, setup: TrainingSetup) -> int:
+    """Bytes: what a percentage budget is of: the store-all peak of the chain's step (over ``setup.accumulate``
+    micro-batches: :func:`solvers.store_all_peak`), or of a sharded step as it runs (its all-gathers, ZeRO 2's
+    whole parameters: :func:`planner.setup.lower`)."""
+    if setup.sharded:
+        lowered = lower(chain, setup)
+        return lowered.held_bytes + store_all_peak(lowered.chain)
+    return store_all_peak(chain, setup.accumulate)
 
 
 def solved_lines(plan, solver: str, chain, how: str = None) -> list:

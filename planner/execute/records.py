@@ -1,9 +1,11 @@
 """What the chain records about a model, read from live modules and tensors: the shapes and dtypes it was
-measured on (planner/measured_on.py) and the parameters several stages share (planner/shared.py)."""
+measured on (planner/measured_on.py), the parameters several stages share (planner/shared.py) and each stage's
+parameters as sharding cuts them (planner/layout.py)."""
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from planner.layout import ParameterRows
 from planner.measured_on import MeasuredOn, TensorSpec
 from planner.shared import SharedParameter
 
@@ -31,6 +33,24 @@ def stage_specs(pairs) -> list:
     """``[(name, parameter specs), ...]`` of the live stages ``[(name, module), ...]``, for
     :meth:`MeasuredOn.check_stages`."""
     return [(name, parameter_specs(module)) for name, module in pairs]
+
+
+def parameter_layout(pairs) -> tuple:
+    """Per stage of ``[(name, module), ...]``, a :class:`planner.layout.ParameterRows` for each parameter its module
+    holds that no earlier stage holds, in the module's order: its rows along dimension 0 (1 for a scalar), the
+    bytes of one row, and whether it is trainable, frozen or shared by several stages."""
+    shared, seen, layout = {id(p) for _, p in find_shared(pairs)}, set(), []
+    for _, module in pairs:
+        rows = []
+        for parameter in module.parameters() if isinstance(module, torch.nn.Module) else ():
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            count = parameter.shape[0] if parameter.dim() else 1
+            kind = "shared" if id(parameter) in shared else "trainable" if parameter.requires_grad else "frozen"
+            rows.append(ParameterRows(count, parameter.numel() // max(count, 1) * parameter.element_size(), kind))
+        layout.append(tuple(rows))
+    return tuple(layout)
 
 
 def shared_parameters(pairs) -> tuple:

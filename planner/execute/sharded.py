@@ -3,7 +3,7 @@
 :func:`shard_stages` shards each stage module over the data-parallel ranks with PyTorch's own ``fully_shard``,
 each stage its own root (its collectives run at its own operations, none prefetched), parameters shared by
 stages left whole (``ignored_params``; :func:`average_gradients` averages their gradients across ranks).
-:func:`shard_units` and :func:`residents_of` give the bytes planner/sharding.py models. :class:`ShardedStepRun`
+planner/sharding.py models their bytes from the chain's parameter layout. :class:`ShardedStepRun`
 runs a chain schedule on the sharded stages: ZeRO 3 all-gathers a stage at each of its operations and frees it after
 (``reshard_after_forward=True``); ZeRO 2 all-gathers every stage when the step starts and frees them when it
 ends. A stage's backward lets autograd accumulate its parameters' gradients so that FSDP2's post-backward finds
@@ -17,44 +17,13 @@ import torch
 from planner.errors import MemschedError
 from planner.execute.autograd import differentiate
 from planner.execute.records import find_shared
-from planner.execute.stages import named_parameters
 from planner.execute.steprun import StepRun
-from planner.sharding import ShardUnit, check_sharding, rank_residents
+from planner.sharding import check_sharding
 
 
 def shared_parameters_of(pairs) -> list:
     """The parameters (needing gradients) that several of the stages ``[(name, module), ...]`` read."""
     return [parameter for _, parameter in find_shared(pairs)]
-
-
-def shard_units(pairs, dp: int) -> list:
-    """A :class:`planner.sharding.ShardUnit` per stage ``(name, module)``: the bytes of its parameters as
-    :func:`shard_stages` shards them over ``dp`` ranks (each cut along dimension 0, padded to a multiple of
-    ``dp``; shared parameters are not sharded)."""
-    shared = {id(p) for p in shared_parameters_of(pairs)}
-    units = []
-    for _, module in pairs:
-        gathered = shard = gradients = 0
-        if isinstance(module, torch.nn.Module):
-            for parameter in module.parameters():
-                if id(parameter) in shared:
-                    continue
-                rows = parameter.shape[0] if parameter.dim() else 1
-                row_bytes = parameter.numel() // max(rows, 1) * parameter.element_size()
-                per_rank = -(-rows // dp)
-                gathered += per_rank * dp * row_bytes
-                shard += per_rank * row_bytes
-                gradients += parameter.numel() * parameter.element_size() if parameter.requires_grad else 0
-        units.append(ShardUnit(gathered, shard, gradients))
-    return units
-
-
-def residents_of(pairs, zero: int, dp: int) -> list:
-    """:func:`planner.sharding.rank_residents` of the live stages ``(name, module)``: per rank, the bytes of its
-    parameters and Adam state under ZeRO ``zero`` over ``dp`` ranks."""
-    sizes = [p.numel() * p.element_size() for _, p in named_parameters(pairs).values()]
-    replicated = sum(entry.bytes for entry, _ in find_shared(pairs))
-    return rank_residents(zero, dp, shard_units(pairs, dp), replicated, sizes)
 
 
 # NOTE [collective buffers]

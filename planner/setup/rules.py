@@ -20,7 +20,7 @@ class Run:
     transfers: bool = False  # offloading or weights on the host: a schedule with transfers
     compile: bool = False  # stage calls through torch.compile
     pipeline: bool = False  # a pipeline plan on PyTorch's pipelining engine
-    sharded: bool = False  # a sharded data-parallel step (train --dp: ZeroRedundancyOptimizer / FSDP2)
+    sharded: bool = False  # a sharded data-parallel step (train --dp; a setup of ZeRO 1-3 over 2+ ranks is one too)
     graph: bool = False  # the joint graph, solved by a graph solver and run by the graph executor
     options: bool = False  # stages run with one of their options (selective recomputation inside a stage)
     clipping: bool = False  # the gradients' global norm clipped before the optimizer steps
@@ -33,7 +33,7 @@ _PRESENT = {
     "transfers": lambda setup, run: run.transfers or setup.host_weights is not None,
     "compile": lambda setup, run: run.compile,
     "pipeline": lambda setup, run: run.pipeline,
-    "sharded": lambda setup, run: run.sharded,
+    "sharded": lambda setup, run: run.sharded or setup.sharded,
     "graph": lambda setup, run: run.graph,
     "options": lambda setup, run: run.options,
     "clipping": lambda setup, run: run.clipping,
@@ -95,6 +95,7 @@ RULES = (
     Rule("options", "transfers", "a schedule with transfers runs every stage whole"),
     Rule("options", "sharded", "a sharded step runs every stage whole"),
     Rule("transfers", "sharded", "a sharded step runs without transfers"),
+    Rule("graph", "sharded", "a sharded step runs a chain plan on the stages"),
 )
 
 

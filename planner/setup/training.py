@@ -22,6 +22,7 @@ from fractions import Fraction
 
 from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
+from planner.sharding import rank_parts
 from planner.units import describe_bytes, format_bytes
 from planner.updates import check_update, host_stages_of
 
@@ -77,6 +78,16 @@ class TrainingSetup:
             object.__setattr__(self, "host_stages", _indices(self.host_stages, "host_stages"))
         if self.host_weights is not None and self.host_weights != "all":
             object.__setattr__(self, "host_weights", _indices(self.host_weights, "weights"))
+
+    @property
+    def sharded(self) -> bool:
+        """True for a sharded step: ZeRO 1, 2 or 3 over 2 or more ranks (planner/sharding.py)."""
+        return self.zero >= 1 and self.dp > 1
+
+    def per_fp32_byte(self) -> dict:
+        """Per item of :data:`ITEMS`, its bytes per byte of an fp32 parameter, before sharding."""
+        unsharded = dict(_PRECISION_BYTES[self.precision], optimizer=_OPTIMIZER_BYTES[self.optimizer])
+        return {item: unsharded[item] / PROFILE_GRADIENT_BYTES for item in ITEMS}
 
     def sizing(self) -> dict:
         """The fields that size the resident state: ``optimizer``, ``precision``, ``zero``, ``dp``."""
@@ -181,9 +192,38 @@ def device_parameters(chain, setup: TrainingSetup, host_stages=None) -> int:
     return -(-on_device // PROFILE_GRADIENT_BYTES)
 
 
+def layout_of(chain) -> tuple:
+    """The chain's parameter layout (planner/layout.py), or a one-line error saying to profile it again."""
+    if chain.layout is None:
+        raise MemschedError(f"chain {chain.name!r} records no parameter layout, which a sharded step (ZeRO 1-3 over "
+                            "2 or more ranks) needs: profile the model again with memsched profile")
+    return chain.layout
+
+
+def device_sizes(chain, setup: TrainingSetup) -> dict:
+    """Bytes per item of :data:`ITEMS` on a device: a sharded step's largest rank's, from the chain's parameter
+    layout (:func:`planner.sharding.rank_parts`); other setups' :meth:`TrainingSetup.breakdown` of the chain's
+    parameters."""
+    if not setup.sharded:
+        return setup.breakdown(parameters_of(chain))
+    ranks = rank_parts(setup.zero, setup.dp, layout_of(chain), setup.per_fp32_byte())
+    return max(ranks, key=lambda parts: parts["params"] + parts["master"] + parts["optimizer"])
+
+
+def resident_parts_on_device(chain, setup: TrainingSetup) -> dict:
+    """Bytes per device resident before ``chain``'s step under ``setup``: ``params``, ``master``, ``optimizer``
+    (its ``host_stages`` updating on the host). A sharded step's are its largest rank's, from the chain's
+    parameter layout (:func:`planner.sharding.rank_parts`: padded shards, shared parameters kept whole); other
+    setups' are :meth:`TrainingSetup.resident_parts` of the chain's parameters."""
+    if setup.sharded:
+        return {item: size for item, size in device_sizes(chain, setup).items() if item != "grads"}
+    return setup.resident_parts(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
+
+
 def resident_on_device(chain, setup: TrainingSetup) -> int:
-    """Bytes per device resident before ``chain``'s step under ``setup`` (its ``host_stages`` updating on the host)."""
-    return setup.resident_bytes(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
+    """Bytes per device resident before ``chain``'s step under ``setup``: the sum of
+    :func:`resident_parts_on_device`."""
+    return sum(resident_parts_on_device(chain, setup).values())
 
 
 def extra_gradient_bytes(chain, setup: TrainingSetup) -> int:
@@ -228,7 +268,7 @@ def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str
     extra_gradients = extra_gradient_bytes(chain, setup)
     if extra_gradients:
         how += f" - {extra_gradients} bytes of gradients beyond the chain's"
-    if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain):
+    if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain) and not setup.sharded:  # (sharded: lowered)
         how += (f"; the chain counts its fp32 gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
                 f"are {format_bytes(setup.gradient_bytes(parameters))}")
     return how

@@ -8,19 +8,18 @@ refuse a schedule that cannot run without the problem. The rules are in docs/mod
 
 import dataclasses
 
-from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.graph import Graph
 from planner.ops import TRANSFER_OPS, host_weight_stages, planned_stages
 from planner.plan import Plan, check_plan_matches
+from planner.setup import lower
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.graph import GraphSimulator
 from planner.simulate.offload import OffloadSimulator
 from planner.simulate.pipeline import pipeline_result, to_local
 from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
-from planner.updates import updated_chain
 
 __all__ = ["simulate", "check_schedule", "check_plan_schedules", "micro_batch_peaks"]
 
@@ -33,10 +32,10 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
 
     ``problem`` is a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`. A chain schedule with
     transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
-    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan whose optimizer
-    updates in the backward is replayed on :func:`planner.updates.updated_chain` of the chain, one accumulating
-    gradients (``accumulate`` above 1) on :func:`planner.accumulate.accumulating_chain` of it from its held
-    gradients (the micro-batches after the first: :func:`micro_batch_peaks` gives each one's peak). A plan of kind
+    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan is replayed on the
+    chain lowered through its setup (:func:`planner.setup.lower`: the update in the backward, accumulation from
+    its held gradients, a sharded step), from what the setup holds (for accumulation, the micro-batches after
+    the first: :func:`micro_batch_peaks` gives each one's peak). A plan of kind
     ``pipeline`` gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
     :class:`planner.simulate.replay.SimResult`.
     """
@@ -46,9 +45,10 @@ def simulate(problem, plan_or_schedule, transfer: Transfer = None):
             return pipeline_result(problem, plan_or_schedule.pipeline)
         schedule = plan_or_schedule.schedule
         transfer = plan_or_schedule.transfer or transfer
-        problem = updated_chain(problem, plan_or_schedule.update, transfer, plan_or_schedule.host_stages)
-        if plan_or_schedule.accumulate > 1:  # no transfers (Plan refuses them with it)
-            return ChainSimulator(accumulating_chain(problem), held_gradient_bytes(problem)).run(schedule)
+        lowered = lower(problem, plan_or_schedule.setup, transfer)
+        if lowered.held_bytes:  # accumulation or ZeRO 2's whole parameters (no transfers: rules.py)
+            return ChainSimulator(lowered.chain, lowered.held_bytes).run(schedule)
+        problem = lowered.chain
     else:
         schedule = plan_or_schedule
     if isinstance(problem, Graph):

@@ -21,14 +21,26 @@ import torch
 import cli
 import solvers
 from checks import one_error_line, one_line
-from planner import MemschedError
+from planner import MemschedError, load_plan
 from planner.chain import Chain, Loss, Stage
 from planner.execute import data_parallel
 from planner.execute.data_parallel import run_data_parallel
 from planner.execute.pipeline import launch_ranks
-from planner.execute.sharded import shard_units
+from planner.execute.records import parameter_layout
 from planner.execute.stages import named_stages, rank_slice, run_stages, trainable_parameters
-from planner.sharding import ShardUnit, check_sharding, rank_residents, sharded_chain, step_constant, zero1_partition
+from planner.layout import ParameterRows
+from planner.setup import TrainingSetup, lower
+from planner.sharding import (
+    ShardUnit,
+    check_sharding,
+    rank_residents,
+    shard_units,
+    sharded_chain,
+    step_constant,
+    zero1_partition,
+)
+from planner.simulate import simulate
+from planner.units import describe_bytes
 from profiles.chain_profiler import profile_chain
 from profiles.memory import memory_meter
 from profiles.spec import built_model
@@ -60,7 +72,13 @@ def test_sharded_chain_by_hand():
     assert [s.bwd_tmp_bytes for s in two.stages] == [max(50, 1000 + 1008 - 400), max(50, 600 + 600 - 400)]
     assert [s.param_bytes for s in two.stages] == [504, 300]
     assert (step_constant(2, units), step_constant(3, units)) == (1608, 0)
-    assert rank_residents(3, 2, units, 16, [1000, 600]) == [(804 + 16) * 3] * 2  # fp32 and Adam's two moments
+    # the layout these units come from: 125 rows of 8 bytes (padded to 126) beside a shared 16-byte parameter
+    layout = ((ParameterRows(125, 8, "trainable"), ParameterRows(4, 4, "shared")),
+              (ParameterRows(150, 4, "trainable"),))
+    assert shard_units(layout, 2) == units
+    assert rank_residents(3, 2, layout) == [(804 + 16) * 3] * 2  # fp32 and Adam's two moments
+    bf16 = TrainingSetup(precision="bf16", zero=3, dp=2).per_fp32_byte()  # 2-byte parameters, 4 + 8 of state
+    assert rank_residents(3, 2, layout, bf16) == [(804 + 16) * (2 + 4 + 8) // 4] * 2
     one = sharded_chain(chain, 1, units)  # ZeRO 1: the chain's own step
     assert [s.bwd_tmp_bytes for s in one.stages] == [50, 50] and [s.param_bytes for s in one.stages] == [1000, 600]
 
@@ -68,7 +86,8 @@ def test_sharded_chain_by_hand():
 def test_zero1_splits_the_state_as_zero_redundancy_optimizer_does():
     # the largest first, each to the rank holding least (the lowest on a tie), ties kept in order
     assert zero1_partition([40, 100, 60, 40, 20], 2) == [1, 0, 1, 0, 1]
-    assert rank_residents(1, 2, [], 0, [40, 100, 60, 40, 20]) == [260 + 2 * 140, 260 + 2 * 120]
+    layout = (tuple(ParameterRows(size // 4, 4, "trainable") for size in (40, 100, 60, 40, 20)),)
+    assert rank_residents(1, 2, layout) == [260 + 2 * 140, 260 + 2 * 120]
 
 
 def test_units_pad_rows_and_leave_shared_parameters_whole():
@@ -76,7 +95,7 @@ def test_units_pad_rows_and_leave_shared_parameters_whole():
     second.weight = torch.nn.Parameter(torch.zeros(5, 5))
     tied = torch.nn.Linear(5, 5)
     tied.weight = second.weight  # read by stages 1 and 2: kept whole
-    units = shard_units([("a", first), ("b", second), ("c", tied)], dp=2)
+    units = shard_units(parameter_layout([("a", first), ("b", second), ("c", tied)]), dp=2)
     # weight 5x3: rows padded to 6, 3 per rank; bias 5 -> 6, 3 per rank
     assert units[0] == ShardUnit(gathered=6 * 3 * 4 + 6 * 4, shard=3 * 3 * 4 + 3 * 4, gradients=(15 + 5) * 4)
     assert units[1] == units[2] == ShardUnit(gathered=6 * 4, shard=3 * 4, gradients=5 * 4)
@@ -108,12 +127,14 @@ def _planned(spec, zero, fraction=0.25):
     model = built_model(spec, part=(0, 2))
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
                           name=model.name)
-    units = shard_units(named_stages(model.stages), 2)
-    sharded = sharded_chain(chain, zero, units)
-    least = minimum_budget(sharded)
-    plan = solvers.solve(sharded, int(least + (solvers.store_all_peak(sharded) - least) * fraction), "rotor")
+    setup = TrainingSetup(zero=zero, dp=2)
+    lowered = lower(chain, setup)  # one rank's step
+    least = minimum_budget(lowered.chain) + lowered.held_bytes
+    top = solvers.store_all_peak(lowered.chain) + lowered.held_bytes
+    plan = solvers.solve(chain, int(least + (top - least) * fraction), "rotor", setup)
     assert any(op.kind in ("F_ck", "F_none") for op in plan.schedule), "the plan should recompute"
-    return sharded, plan, plan.predicted.peak_bytes + step_constant(zero, units)
+    assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes  # the simulator lowers it the same way
+    return chain, plan, plan.predicted.peak_bytes
 
 
 @functools.cache
@@ -223,6 +244,31 @@ def test_cli_trains_on_two_ranks_within_what_a_device_leaves(capsys):
         assert abs(measured / predicted - 1) < 0.02
 
 
+@pytest.mark.multiprocess
+def test_cli_trains_by_a_plan_solved_for_the_sharded_step(capsys, tmp_path):
+    """profile one rank's part of the batch, solve it for ZeRO 2 over 2 ranks, train --dp by that plan."""
+    chain, plan = tmp_path / "rank.chain.json", tmp_path / "zero2.plan.json"
+    assert cli.main(["profile", RESNET.replace("batch=8", "batch=4"), "--warmup", "0", "--repeats", "1",
+                     "--options", "0", "-o", str(chain)]) == 0
+    assert cli.main(["solve", str(chain), "--zero", "2", "--dp", "2", "--budget", "70%", "-o", str(plan)]) == 0
+    solved = load_plan(plan)
+    assert solved.setup == TrainingSetup(zero=2, dp=2) and any(op.kind == "F_ck" for op in solved.schedule)
+    capsys.readouterr()
+    assert cli.main(["train", RESNET, "--dp", "2", "--zero", "2", "--plan", str(plan), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"predicted peak of a rank's step {describe_bytes(solved.predicted.peak_bytes)}" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(rows) == 2
+    for row in rows:
+        measured, predicted = (int(value.replace(",", "")) for value in row[1:3])
+        assert predicted == solved.predicted.peak_bytes and abs(measured / predicted - 1) < 0.02
+    for argv, message in (([*"--dp 2 --zero 3 --plan".split(), str(plan)], "give --zero 2 --dp 2"),
+                          ([*"--dp 2 --zero 2 --budget 50% --plan".split(), str(plan)], "drop --budget")):
+        one_error_line(cli.main(["train", RESNET, *argv]), *capsys.readouterr(), message)
+    one_error_line(cli.main(["solve", str(chain), *"--zero 2 --dp 2 --budget 70% --solver pofo".split()]),
+                   *capsys.readouterr(), "does not mix with --dp")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--dp", "2", "--zero", "4"], "zero: the ZeRO stage must be 0, 1, 2 or 3, got 4"),
     (["--zero", "3"], "give --dp and --budget"),
@@ -244,8 +290,7 @@ def _fails_on_rank_1(part):
 def test_a_failing_rank_is_one_line_naming_it():
     model = _fails_on_rank_1((0, 2))
     chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1)
-    sharded = sharded_chain(chain, 3, shard_units(named_stages(model.stages), 2))
-    plan = solvers.solve(sharded, solvers.store_all_peak(sharded), "store_all")
+    plan = solvers.solve(chain, 10**9, "store_all", TrainingSetup(zero=3, dp=2))
     with pytest.raises(MemschedError) as caught:
         run_data_parallel(_fails_on_rank_1, plan, 3, 2, 1, meter=memory_meter, predicted=1, progress_timeout=60)
     assert one_line(caught).startswith("data-parallel rank 1 failed: RuntimeError: broken on purpose")

@@ -302,3 +302,22 @@ def test_a_chain_channel_is_no_channel_or_one_a_device_can_have(bandwidth, accep
         with pytest.raises(MemschedError) as excinfo:
             Chain.from_dict(data)
         one_line(excinfo, "transfer.d2h_bandwidth", "0 (no channel that way)")
+
+
+def test_a_parameter_layout_round_trips_and_is_validated_in_one_line():
+    """``layout`` (planner/layout.py): written only when recorded (older chains keep their fingerprints), read back
+    as it was, part of the fingerprint, and a malformed one refused naming the entry."""
+    raw = base_chain()
+    plain = Chain.from_dict(raw)
+    assert "layout" not in plain.to_dict()
+    rows = [[[3, 8, "trainable"], [1, 4, "frozen"]]] + [[] for _ in raw["stages"][1:]]
+    laid_out = Chain.from_dict(dict(raw, layout=rows))
+    assert laid_out.to_dict()["layout"] == rows and Chain.from_dict(laid_out.to_dict()) == laid_out
+    assert laid_out.layout[0][0].bytes == 24 and laid_out.fingerprint() != plain.fingerprint()
+    for bad, where in (([[]], "layout must be a list with one list of parameters per stage"),
+                       ([[[3, 8, "learned"]]] + rows[1:], "layout[0][0] must be [rows, row_bytes, kind]"),
+                       ([[[3, -8, "shared"]]] + rows[1:], "layout[0][0]"),
+                       ([[{"rows": 3}]] + rows[1:], "layout[0][0]")):
+        with pytest.raises(MemschedError) as caught:
+            Chain.from_dict(dict(raw, layout=bad))
+        assert where in one_line(caught)

@@ -1,9 +1,12 @@
 """planner/setup/training.py: bytes per parameter, ZeRO sharding and the activation budget, by hand."""
 
+import dataclasses
+
 import pytest
 
 from planner.chain import Chain
 from planner.errors import MemschedError
+from planner.layout import ParameterRows
 from planner.setup.training import OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of
 
 # (params, grads, master) by precision; optimizer state by optimizer; unsharded bytes per parameter.
@@ -116,11 +119,14 @@ def test_activation_budget_by_hand():
     assert activation_budget(chain, TrainingSetup("adam"), 10_000) == 10_000 - 3600
     # SGD: only the parameters are resident.
     assert activation_budget(chain, TrainingSetup("sgd"), 10_000) == 10_000 - 1200
-    # bf16 Adam, ZeRO 2 over 4 ranks: resident 300 * (2 + 4/4 + 8/4) = 1500; gradients 300 * 2/4 = 150 < 1200,
-    # and the difference is not credited (the chain's 1200 stand in for them).
-    assert activation_budget(chain, TrainingSetup("adam", "bf16", 2, 4), 10_000) == 10_000 - 1500
-    # ZeRO 3 over 4 ranks: resident 300 * (2/4 + 4/4 + 8/4) = 1050.
-    assert activation_budget(chain, TrainingSetup("adam", "bf16", 3, 4), 10_000) == 10_000 - 1050
+    # bf16 Adam, ZeRO 2 or 3 over 4 ranks (FSDP2 keeps shards between steps): a rank keeps 25 + 50 parameters (a
+    # quarter of the rows of 4 bytes): 75 * (2 + 4 + 8) = 1050; without a layout, refused.
+    laid_out = dataclasses.replace(chain, layout=((ParameterRows(100, 4, "trainable"),),
+                                                  (ParameterRows(200, 4, "trainable"),)))
+    for zero in (2, 3):
+        assert activation_budget(laid_out, TrainingSetup("adam", "bf16", zero, 4), 10_000) == 10_000 - 1050
+        with pytest.raises(MemschedError, match="records no parameter layout"):
+            activation_budget(chain, TrainingSetup("adam", "bf16", zero, 4), 10_000)
     # 401 bytes of gradients = 101 parameters, whose fp32 gradients are 404: the 3 extra bytes are subtracted.
     assert activation_budget(_chain([401]), TrainingSetup("sgd"), 10_000) == 10_000 - 404 - 3
 
