@@ -112,6 +112,28 @@ def test_solve_does_not_recurse(monkeypatch):
         assert len(calls) == 1, setup
 
 
+def test_apply_plan_checks_the_rules_once_with_the_plans_setup(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import planner.execute.chain as executor
+
+    original, checked = executor.check, []
+
+    def counted(setup, *args, **kwargs):
+        checked.append(setup)
+        return original(setup, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "check", counted)
+    stages = [torch.nn.Linear(4, 4) for _ in range(CHAIN.length)]
+    chain = dataclasses.replace(CHAIN, measured_on=None)  # these stages are not the ones it was measured on
+    budget = solvers.store_all_peak(chain) * 8 // 10
+    for setup in (TrainingSetup(), TrainingSetup(update="in-backward"), TrainingSetup(accumulate=2),
+                  TrainingSetup(update="on-host", host_stages=(1,))):
+        plan = solvers.solve(chain, budget * setup.accumulate, "rotor", setup, transfer=CHANNEL)
+        checked.clear()
+        executor.apply_plan(stages, plan)
+        assert checked == [plan.setup], setup
+
+
 @pytest.mark.parametrize("setup", [TrainingSetup(precision="bf16"), TrainingSetup(), TrainingSetup(zero=2, dp=2),
                                    TrainingSetup(optimizer="sgd", precision="fp16", zero=1, dp=4)],
                          ids=["bf16", "fp32", "zero2", "fp16-zero1"])
