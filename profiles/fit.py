@@ -42,49 +42,74 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         setup: TrainingSetup = None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
-    ``example_inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
-    is called). ``budget``: bytes (an int), a string with a unit (``"6GiB"``) or a percentage of the store-all
-    peak (``"50%"``); a budget below the least feasible one fails in one line saying what that is.
-    ``loss_fn(output)``: the scalar loss (default: ``output.loss`` when the model returns one, else the mean of
-    its output). ``solver``: as for ``memsched solve`` (``auto``: store everything when it fits, else the
-    hierarchical solver over the stages' options, or rotor without them); ``options`` go to it. A batch of
-    other shapes, dtypes or arguments is refused in one line, or planned for anew with ``replan=True`` (the
-    plans kept per layout). ``warmup`` and ``repeats``: the profiler's runs per stage; ``max_stages``: at most
-    that many stages; ``stage_options``: candidates measured per distinct stage (profiles/options.py; 0:
-    none); ``compile``: the plan runs through ``torch.compile`` (planner/execute/chain.py). With the option
-    ``update="in-backward"`` (or ``"on-host"``, with a ``transfer`` channel: planner/updates.py) the backward
-    also updates the parameters, by ``optimizer`` (sgd, momentum, adam, adamw) at ``lr``, freeing each stage's
-    gradients as it goes: the loop is ``fitted(**batch).backward()``, without an optimizer of its own.
-    ``setup``: all of these as one :class:`planner.setup.TrainingSetup` (optimizer, update, host stages, weights
-    on the host, accumulation), instead of the keywords; which parts mix: planner/setup/rules.py.
-    ``accumulate=k``: the loop adds ``k`` micro-batches' gradients before each ``optimizer.step();
-    optimizer.zero_grad()``; the plan is solved for the micro-batches after the first, which start with every
-    gradient held (planner/accumulate.py), and ``.micro_batch_peaks`` predicts each one's peak (a percentage
-    budget is then of that step's store-all peak).
+    The model's stages are discovered, profiled and solved for as a chain (or, with ``graph=True``, its joint
+    graph); the plan then runs inside the returned module's call and the caller's ``backward()``.
 
-    A budget below the chain's least feasible one that the step's joint graph meets (a model whose blocks keep
-    several tensors live has few cuts) fails in one line naming ``graph=True``. With ``graph=True`` the joint
-    forward+backward graph is profiled (at most ``nodes=60`` nodes), solved by a graph solver (``solver``:
-    ``auto``, store-all when it fits else Checkmate's MILP then Moccasin, within ``time_limit=60`` seconds) and
-    run by the graph executor (profiles/fit_graph.py): the call runs the whole step and returns the loss, whose
-    ``backward()`` hands over the gradients; ``.chain`` is then the graph and ``.plan`` a graph plan, which counts
-    the parameters and buffers in its budget and peak (``.predicted`` leaves them out, as fit's budget does).
-    ``autocast``: the mixed precision the loop runs its forward under, ``with torch.autocast(device, dtype)``
-    (``torch.bfloat16``, ``torch.float16``; ``False``: none; default: the autocast state active at ``fit``): the
-    step is captured, profiled and planned in it, and a call under another state is refused in one line
-    (profiles/precision.py; docs/execution.md, "Mixed precision (autocast)").
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        example_inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
+            is called).
+        budget: bytes (an int), a string with a unit (``"6GiB"``) or a percentage of the store-all peak
+            (``"50%"``; with ``accumulate``, of the accumulating step's).
+        loss_fn: ``loss_fn(output)``, the scalar loss (default: ``output.loss`` when the model returns one, else
+            the mean of its output).
+        solver: as for ``memsched solve`` (``auto``: store everything when it fits, else the hierarchical solver
+            over the stages' options, or rotor without them); ``options`` go to it.
+        replan: a batch of other shapes, dtypes or arguments is planned for anew (the plans kept per layout)
+            instead of refused in one line.
+        max_stages: at most that many stages (None: as many as discovered).
+        warmup: the profiler's warm-up runs per stage.
+        repeats: the profiler's timed runs per stage.
+        stage_options: candidates measured per distinct stage (profiles/options.py; 0: none).
+        compile: the plan runs through ``torch.compile`` (planner/execute/chain.py).
+        optimizer: the setup's optimizer, one of :data:`planner.setup.training.OPTIMIZERS` (default adam); an
+            update inside the backward runs it (sgd, momentum, adam or adamw).
+        lr: the learning rate of an update inside the backward.
+        accumulate: ``k``: the loop adds ``k`` micro-batches' gradients before each ``optimizer.step();
+            optimizer.zero_grad()``; the plan is solved for the micro-batches after the first, which start with
+            every gradient held (planner/accumulate.py), and ``.micro_batch_peaks`` predicts each one's peak
+            (bytes).
+        graph: the joint forward+backward graph is profiled (at most ``nodes=60`` nodes), solved by a graph
+            solver (``solver``: ``auto``, store-all when it fits else Checkmate's MILP then Moccasin, within
+            ``time_limit=60`` seconds) and run by the graph executor (profiles/fit_graph.py): the call runs the
+            whole step and returns the loss, whose ``backward()`` hands over the gradients; ``.chain`` is then the
+            graph and ``.plan`` a graph plan, which counts the parameters and buffers in its budget and peak
+            (``.predicted`` leaves them out, as fit's budget does).
+        autocast: the mixed precision the loop runs its forward under, ``with torch.autocast(device, dtype)``
+            (``torch.bfloat16``, ``torch.float16``; ``False``: none; default: the autocast state active at
+            ``fit``): the step is captured, profiled and planned in it (profiles/precision.py; docs/execution.md,
+            "Mixed precision (autocast)").
+        returns: ``"output"``, what the model returns, which must hold the loss (``output.loss``; its other
+            tensors, the logits, come back detached, planned as held by the caller to the step's end:
+            :func:`held_by_caller`); ``"loss"``, the loss alone; ``"auto"`` (default), the output when it holds the
+            loss and the update runs after the backward, else the loss.
+        progress: planning tells what it does on stderr, a line at a time (stages discovered, each stage measured
+            or shared with an identical one, each stage's options, the solve); False: nothing; a callable: each
+            line to it.
+        setup: all of the setup's keywords as one :class:`planner.setup.TrainingSetup` (optimizer, update, host
+            stages, weights on the host, accumulation), instead of them; which parts mix: planner/setup/rules.py.
+        options: the solver's parameters, and ``update="in-backward"`` (or ``"on-host"``, with a ``transfer``
+            channel: planner/updates.py; ``host_stages=``: which stages' update runs on the host): the backward
+            also updates the parameters, by ``optimizer`` at ``lr``, freeing each stage's gradients as it goes, and
+            the loop runs no optimizer of its own; ``weights=``: stages whose parameters stay on the host.
 
-    ``returns``: ``"output"``, what the model returns, which must hold the loss (``output.loss``; its other
-    tensors, the logits, come back detached, planned as held by the caller to the step's end:
-    :func:`held_by_caller`); ``"loss"``, the loss alone; ``"auto"`` (default), the output when it holds the loss
-    and the update runs after the backward, else the loss. In eval mode or without gradients the call runs the
-    model itself (its dropout and statistics as they are; nothing to plan). A call adding keyword arguments the
-    model takes to the planned ones (Trainer's ``num_items_in_batch``) is planned for once, at the first.
-    ``progress``: planning tells what it does on stderr, a line at a time (stages discovered, each stage measured
-    or shared with an identical one, each stage's options, the solve); False: nothing; a callable: each line to it.
-    A budget is refused as soon as it is known to be too small: before the stages' options are measured when it
-    is below the least that any options could reach (``solvers.minimum.least_budget_bound``; not with
-    ``accumulate``, whose floor is the accumulating step's).
+    Returns:
+        The :class:`FittedModel`: ``fitted(*args, **kwargs)`` is ``model(*args, **kwargs)`` under the plan (its
+        output or its loss, as ``returns`` says). In eval mode or without gradients the call runs the model
+        itself (its dropout and statistics as they are; nothing to plan). A call adding keyword arguments the
+        model takes to the planned ones (Trainer's ``num_items_in_batch``) is planned for once, at the first.
+
+    Raises:
+        MemschedError: in one line, a budget that cannot be read or lies below the least feasible one, saying
+            what that is, as soon as it is known: before the stages' options are measured when it is below the
+            least that any options could reach (``solvers.minimum.least_budget_bound``; not with ``accumulate``,
+            whose floor is the accumulating step's), naming ``graph=True`` when the step's joint graph meets it (a
+            model whose blocks keep several tensors live has few cuts); a setup whose parts do not mix, or given
+            beside its keywords; a ``returns`` other than the three, or ``"output"`` where only the loss is
+            planned; and whatever discovery, :func:`solvers.solve` and
+            :func:`planner.execute.chain.apply_plan` refuse. A later call refuses a batch of another layout
+            (without ``replan``), another autocast state, or some modules switched between training and eval mode
+            since; moving or casting the fitted model (``.cuda()``, ``.half()``) is refused.
     """
     say = progress if callable(progress) else say_on_stderr if progress else (lambda line: None)
     options = dict(options)

@@ -319,21 +319,31 @@ def solve_graph(graph: Graph, budget: int, solver: str = "auto", time_limit: flo
                 minimum_time_limit: float = 10.0, **params) -> Plan:
     """The plan ``solver`` finds for ``graph`` within ``budget`` bytes, its figures from the graph simulator.
 
-    ``time_limit`` (seconds) is a deadline for the whole solve of the solvers
-    that take one (building their model, their warm start and the search all
-    within it, give or take :data:`TIME_LIMIT_TOLERANCE`); the plan then says
-    whether the schedule is proven optimal. ``auto`` stores everything when
-    that fits, else runs Checkmate, and when Checkmate proves that no
-    frontier-advancing schedule fits, Moccasin over any order (with what is
-    left of the time limit): a schedule that reorders the first computations
-    may need less memory. Raises :class:`MemschedError` for an unknown solver
-    or parameter, a budget below :func:`graph_lower_bound`, a budget no
-    schedule of the solver's class fits (the message names the class, states
-    the least memory of a frontier-advancing schedule, searched for at most
-    ``minimum_time_limit`` seconds and no longer than the time limit leaves,
-    and names the solver whose class may still fit), a time limit reached
-    before any schedule was found (the message says what limit to give), or a
-    schedule that does not fit.
+    ``auto`` stores everything when that fits, else runs Checkmate, and when Checkmate proves that no
+    frontier-advancing schedule fits, Moccasin over any order (with what is left of the time limit): a schedule
+    that reorders the first computations may need less memory.
+
+    Args:
+        graph: the joint forward+backward graph as profiled (:class:`planner.graph.Graph`).
+        budget: bytes for the whole step (the graph's fixed bytes included).
+        solver: a name of :data:`GRAPH_SOLVER_NAMES` (``auto``: as above).
+        time_limit: seconds: a deadline for the whole solve of the solvers that take one (building their model,
+            their warm start and the search all within it, give or take :data:`TIME_LIMIT_TOLERANCE`); the plan
+            then says whether the schedule is proven optimal. None: no limit.
+        minimum_time_limit: seconds spent at most (and no longer than the time limit leaves) looking for the
+            least memory of a frontier-advancing schedule, which the error of a budget no schedule fits states.
+        params: the solver's parameters (:func:`solvers.result.solver_params`), e.g. Checkmate's ``backend`` and
+            ``gap``, checkmate-lp's ``samples`` and ``seed``, Moccasin's ``max_computations`` and ``first_order``.
+
+    Returns:
+        The :class:`planner.plan.Plan` of kind ``graph``.
+
+    Raises:
+        MemschedError: an unknown solver or parameter; a budget below :func:`graph_lower_bound` (bytes, the least
+            any schedule needs); a budget no schedule of the solver's class fits (the message names the class,
+            states the least memory of a frontier-advancing schedule or a lower bound, and names the solver whose
+            class may still fit); a time limit reached before any schedule was found (the message says what limit
+            to give); or a schedule that does not fit.
     """
     if solver not in GRAPH_SOLVER_NAMES:
         raise MemschedError(f"unknown graph solver {solver!r}; choose one of {', '.join(GRAPH_SOLVER_NAMES)}")

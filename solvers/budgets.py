@@ -171,13 +171,33 @@ def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, devi
     """``(plan, how)``: :func:`solve_within` at ``budget`` as :func:`budget_of` reads it under ``setup``, ``how``
     saying how ``--budget auto`` came about (None otherwise).
 
-    ``update_auto`` (``--update auto``, with ``--budget auto``: the resident state differs between updates)
-    solves for each of :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host`` only
-    over a usable channel, ``transfer`` or the chain's: on the host the largest 1, 2, ... stages, then every
-    stage, the others updating on the device) and keeps the fastest predicted plan (the first on a tie: after
-    the backward, then in it), saying what each update's fastest took. Which stages go to the host is a
-    heuristic: a stage's copies and its resident state are both in proportion to its parameters, and the
-    largest first moves the most per copy."""
+    Args:
+        chain: the chain as profiled.
+        budget: the step's budget as the command line gives it: bytes (``"123456789"``, ``"4GiB"``), a
+            percentage of the store-all peak (``"50%"``, over ``setup.accumulate`` micro-batches), or ``"auto"``:
+            what ``device_memory`` leaves once the setup's resident state is on it.
+        solver: a name of :data:`solvers.SOLVER_NAMES`.
+        setup: the :class:`planner.setup.TrainingSetup` to plan for.
+        device_memory: bytes of the device's memory, for ``"auto"``.
+        update_auto: (``--update auto``, with ``--budget auto``: the resident state differs between updates)
+            solve for each of :data:`planner.updates.UPDATES` within what the device leaves under it (``on-host``
+            only over a usable channel, ``transfer`` or the chain's: on the host the largest 1, 2, ... stages,
+            then every stage, the others updating on the device) and keep the fastest predicted plan (the first
+            on a tie: after the backward, then in it), ``how`` saying what each update's fastest took (seconds).
+            Which stages go to the host is a heuristic: a stage's copies and its resident state are both in
+            proportion to its parameters, and the largest first moves the most per copy.
+        params: the solver's parameters, as :func:`solvers.solve` takes them (``transfer`` included).
+
+    Returns:
+        ``(plan, how)``: the :class:`planner.plan.Plan` and, for ``"auto"``, how the budget came from the
+        device's memory, in words (None otherwise).
+
+    Raises:
+        MemschedError: a budget that cannot be read; ``"auto"`` without ``device_memory``, or with nothing left
+            for the step; ``update_auto`` without both; under ``"auto"``, a budget below the setup's least (no
+            weights on the host, no offload solver: the message states the least device memory); with
+            ``update_auto``, no update fitting the device; and whatever :func:`solvers.solve` refuses.
+    """
     if not update_auto:
         amount, how = budget_of(chain, budget, setup, device_memory)
         return solve_within(chain, amount, solver, setup, how, **params), how

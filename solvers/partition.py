@@ -467,6 +467,30 @@ def _setup_fields(setup: TrainingSetup) -> dict:
 def partition(chain: Chain, devices: int, memory: int, micro_batches: int, schedule: str = "1f1b",
               bandwidth=None, latency: float = 0.0, setup: TrainingSetup = None,
               slots: int = DEFAULT_SLOTS) -> Plan:
-    """The fastest pipeline plan for ``chain`` on ``devices`` devices of ``memory`` bytes (docs/solvers.md)."""
+    """The fastest pipeline plan for ``chain`` on ``devices`` devices of ``memory`` bytes (docs/solvers.md).
+
+    Args:
+        chain: the chain as profiled on one micro-batch (at most :data:`MAX_STAGES` stages).
+        devices: the pipeline's devices, from 1 to the chain's stage count; each runs a contiguous range of stages.
+        memory: bytes of each device's memory, for everything it holds over the step (parameters, optimizer
+            state, gradients and the micro-batches in flight).
+        micro_batches: micro-batches per step (at least ``devices`` with ``1f1b``).
+        schedule: the pipeline schedule, ``1f1b`` or ``gpipe``.
+        bandwidth: bytes per second of the activation channel between neighbouring devices (and of the exchange
+            of tied parameters' gradients); None: sends take no time.
+        latency: seconds added to each send over it.
+        setup: the :class:`planner.setup.TrainingSetup` (its update after the backward); default: its defaults.
+        slots: Rotor's units in a device's memory (solvers/rotor.py).
+
+    Returns:
+        The :class:`planner.plan.Plan` of kind ``pipeline``: per device its stages and schedule, its figures (peak
+        bytes, seconds per step) the pipeline simulator's.
+
+    Raises:
+        MemschedError: an unknown schedule; devices, micro-batches, memory, latency or bandwidth out of range; a
+            chain longer than :data:`MAX_STAGES`; more devices than stages; ``1f1b`` with fewer micro-batches than
+            devices; an update inside the backward; no split fitting ``memory`` (the message states the smallest
+            device memory that fits).
+    """
     problem = PartitionProblem(chain, devices, memory, micro_batches, schedule, bandwidth, latency, setup, slots)
     return partition_plan(solve_partition(problem))

@@ -31,23 +31,46 @@ from planner.simulate import check_schedule
 
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
-                   recomputes=None, compile: bool = False, update: tuple = None, zero: int = None) -> "PlannedChain":
-    """A module running ``stages`` by the chain ``schedule`` (its stage count and the simulator's rules checked
-    first, nothing run).
+                   recomputes=None, compile: bool = False, update: tuple = None, zero: int = None,
+                   setup: TrainingSetup = None) -> "PlannedChain":
+    """A module running ``stages`` by the chain ``schedule``, once its stage count, the simulator's rules and the
+    setup's combinations with this run are checked (nothing run).
 
-    ``fuse=False`` runs every stage's backward as its own autograd call, never one for several stages: each
-    stage's parameter gradients are then added into ``.grad`` before the next stage's are made, as the chain
-    model's ``B`` counts them. A fused graph makes all its stages' gradients first, which costs nothing more
-    when ``.grad`` is empty (they become it) but holds them beside ``.grad`` when gradients accumulate over
-    several backwards (a pipeline's micro-batches). Schedules with transfers always fuse as their executor
-    decides. ``measured_on`` and ``source``: as :class:`PlannedChain` takes them. ``recomputes``: for each stage
-    whose ``F_all`` runs with an option, the option's ``recompute`` positions (:class:`planner.chain.StageOption`).
-    ``compile``: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`). ``update``:
-    ``(update, optimizer, lr, host_stages)`` for an optimizer update inside the backward
-    (planner/execute/updates.py); each stage's backward then runs on its own (``fuse=False``), its gradients
-    updated and freed after it (eagerly: a compiled run would make several stages' gradients at once).
-    ``zero``: the stages are sharded by planner/execute/sharded.py for ZeRO 2 or 3, and run by its
-    :class:`planner.execute.sharded.ShardedStepRun` (eagerly, each stage's backward on its own).
+    Args:
+        stages: an ``nn.Sequential``, an ``nn.ModuleList``, a list of modules or of ``(name, module)`` pairs, or a
+            dict of them; stage ``k`` is called ``module(a_k, *extra)``.
+        schedule: the chain schedule, a sequence of :class:`planner.ops.Op`, for as many stages.
+        fuse: False runs every stage's backward as its own autograd call, never one for several stages: each
+            stage's parameter gradients are then added into ``.grad`` before the next stage's are made, as the
+            chain model's ``B`` counts them. A fused graph makes all its stages' gradients first, which costs
+            nothing more when ``.grad`` is empty (they become it) but holds them beside ``.grad`` when gradients
+            accumulate over several backwards (a pipeline's micro-batches). Schedules with transfers always fuse
+            as their executor decides.
+        measured_on: the :class:`planner.measured_on.MeasuredOn` the inputs of the first call with gradients are
+            checked against (None: unchecked); ``source`` (``"plan"`` or ``"chain"``) names it in the message.
+        source: see ``measured_on``.
+        recomputes: for each stage whose ``F_all`` runs with an option, the option's ``recompute`` positions
+            (:class:`planner.chain.StageOption`).
+        compile: every stage call goes through ``torch.compile`` (see :class:`PlannedChain`).
+        update: ``(update, optimizer, lr, host_stages)`` for an optimizer update inside the backward
+            (planner/execute/updates.py; ``lr`` the learning rate); each stage's backward then runs on its own
+            (``fuse=False``), its gradients updated and freed after it (eagerly: a compiled run would make several
+            stages' gradients at once). None: the caller updates after the backward.
+        zero: the ZeRO stage, 2 or 3, when the stages are sharded by planner/execute/sharded.py: its
+            :class:`planner.execute.sharded.ShardedStepRun` runs them (eagerly, each stage's backward on its own).
+        setup: the :class:`planner.setup.TrainingSetup` the schedule was solved for, whose combinations with this
+            run (transfers, ``compile``, options, a sharded step) :func:`planner.setup.check` refuses; default:
+            the one ``update`` implies (its update and host stages).
+
+    Returns:
+        The :class:`PlannedChain`, a drop-in ``torch.nn.Module``.
+
+    Raises:
+        MemschedError: ``stages`` of another type; a schedule for another number of stages, or breaking the
+            simulator's rules (:class:`planner.simulate.replay.ScheduleError`, naming the operation); a stage run
+            with an option missing from ``recomputes``; a setup that does not mix with the run; weights on the
+            host of a stage the model lacks, or tied to another stage; an optimizer that cannot update inside the
+            backward.
     """
     pairs = named_stages(stages)
     planned = _stage_count(schedule, pairs)
@@ -57,9 +80,10 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     if missing:
         raise MemschedError(f"the schedule runs stage {missing[0]} with one of its options, whose kept results "
                             "only its chain knows; apply the plan with its chain (--chain)")
-    updating = TrainingSetup() if update is None else TrainingSetup(update=update[0], host_stages=update[3])
-    check(updating, Run(transfers=any(op.kind in TRANSFER_OPS for op in schedule), compile=compile,
-                        options=bool(recomputes), sharded=zero is not None))
+    if setup is None:
+        setup = TrainingSetup() if update is None else TrainingSetup(update=update[0], host_stages=update[3])
+    check(setup, Run(transfers=any(op.kind in TRANSFER_OPS for op in schedule), compile=compile,
+                     options=bool(recomputes), sharded=zero is not None))
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse and update is None and zero is None, measured_on, source,
@@ -69,16 +93,36 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False, optimizer: str = "adam",
                lr: float = 1e-3) -> "PlannedChain":
     """:func:`apply_schedule` of ``plan``'s schedule, once the plan is checked: of kind chain, a channel recorded
-    when it moves data; with ``chain``, its fingerprint and stage names. A plan whose optimizer updates inside
-    the backward (``plan.update``) runs ``optimizer`` at ``lr`` there (planner/execute/updates.py): its call
-    then trains, and the caller runs no ``optimizer.step()``. A plan accumulating gradients over micro-batches
-    (``plan.accumulate``, planner/accumulate.py) runs every stage's backward on its own (``fuse=False``), each
-    stage's gradients added into ``.grad`` before the next stage's are made, as its chain counts them; it runs
-    eagerly (``compile`` refused).
+    when it moves data, for as many stages; with ``chain``, its fingerprint and stage names; what it was measured
+    on; its setup against this run (:func:`planner.setup.check`, once).
 
-    What the chain was measured on (``chain.measured_on``, else the plan's copy of it) is checked too, when
-    recorded: each stage's parameters here, the inputs at the module's first call with gradients; a
-    difference is a one-line :class:`MemschedError` naming it (planner/measured_on.py).
+    A plan whose optimizer updates inside the backward (``plan.update``) runs ``optimizer`` at ``lr`` there
+    (planner/execute/updates.py): its call then trains, and the caller runs no ``optimizer.step()``. A plan
+    accumulating gradients over micro-batches (``plan.accumulate``, planner/accumulate.py) runs every stage's
+    backward on its own (``fuse=False``), each stage's gradients added into ``.grad`` before the next stage's are
+    made, as its chain counts them; it runs eagerly (``compile`` refused).
+
+    Args:
+        stages: the model's stages, as :func:`apply_schedule` takes them.
+        plan: a :class:`planner.plan.Plan` of kind ``chain``.
+        chain: the :class:`planner.chain.Chain` the plan was solved for; needed when the plan runs stages with
+            options (their ``recompute`` positions are the chain's). None: the fingerprint and names unchecked.
+        fuse: as :func:`apply_schedule` takes it (False whenever the plan accumulates).
+        compile: every stage call goes through ``torch.compile``.
+        optimizer: the update inside the backward's optimizer (sgd, momentum, adam, adamw); unused otherwise.
+        lr: its learning rate.
+
+    Returns:
+        The :class:`PlannedChain`, a drop-in ``torch.nn.Module``. What the chain was measured on
+        (``chain.measured_on``, else the plan's copy of it), when recorded, is checked now against each stage's
+        parameters, and at the module's first call with gradients against its inputs.
+
+    Raises:
+        MemschedError: a plan of another kind; one moving data without a copy channel (``transfer``); a plan for
+            another number of stages, another chain (its fingerprint) or other stage names; stages whose
+            parameters differ from those it was measured on (planner/measured_on.py: naming the difference); a
+            setup that does not mix with this run (``compile``, transfers, options); and whatever
+            :func:`apply_schedule` refuses.
     """
     pairs = named_stages(stages)
     if plan.kind != "chain":
@@ -102,9 +146,8 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
     update = None if plan.update == "after" else (plan.update, optimizer, lr, plan.host_stages)
-    check(plan.setup, Run(transfers=plan.moves_data, compile=compile, options=bool(recomputes)))
     return apply_schedule(pairs, plan.schedule, fuse and plan.accumulate == 1, measured, source, recomputes, compile,
-                          update)
+                          update, setup=plan.setup)  # which checks the setup's rules
 
 
 def _stage_count(schedule, pairs) -> int:

@@ -30,14 +30,30 @@ _NO_OPTION = StageOption(recompute=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0
 def simulate(problem, plan_or_schedule, transfer: Transfer = None):
     """Peak bytes, seconds and per-operation timeline of a plan (checked against ``problem``) or a schedule.
 
-    ``problem`` is a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`. A chain schedule with
-    transfers (an offload plan) is replayed over the copy channel ``transfer``: the plan's own, else the one
-    given, else the chain's (an :class:`planner.simulate.offload.OffloadResult`). A chain plan is replayed on the
-    chain lowered through its setup (:func:`planner.setup.lower`: the update in the backward, accumulation from
-    its held gradients, a sharded step), from what the setup holds (for accumulation, the micro-batches after
-    the first: :func:`micro_batch_peaks` gives each one's peak). A plan of kind
-    ``pipeline`` gives a :class:`planner.simulate.pipeline.PipelineResult`; anything else a
-    :class:`planner.simulate.replay.SimResult`.
+    A chain plan is replayed on the chain lowered through its setup (:func:`planner.setup.lower`: the update in
+    the backward, accumulation, a sharded step), from what the setup holds beside the step (accumulation's
+    gradients for the micro-batches after the first: :func:`micro_batch_peaks` gives each one's peak; ZeRO 2's
+    whole parameters).
+
+    Args:
+        problem: a :class:`planner.chain.Chain` or a :class:`planner.graph.Graph`.
+        plan_or_schedule: a :class:`planner.plan.Plan` for ``problem`` (any kind), or a schedule of it (a sequence
+            of chain or graph operations), replayed as given.
+        transfer: the copy channel (:class:`planner.transfer.Transfer`, bytes per second each way and seconds of
+            latency) a chain schedule with transfers (an offload plan) is replayed over when the plan records
+            none; None: the chain's.
+
+    Returns:
+        A plan of kind ``pipeline``: a :class:`planner.simulate.pipeline.PipelineResult`; a chain schedule with
+        transfers: an :class:`planner.simulate.offload.OffloadResult`; anything else: a
+        :class:`planner.simulate.replay.SimResult` (``peak_bytes``, ``time`` in seconds, ``timeline``).
+
+    Raises:
+        MemschedError: a plan for another problem (its fingerprint) or of a kind this problem has not; a pipeline
+            plan whose last device does not end at the chain's last stage; a schedule (a pipeline device's
+            included) breaking the simulator's rules (:class:`planner.simulate.replay.ScheduleError`, naming the
+            operation and the rule); a chain schedule with transfers and no copy channel (the plan's,
+            ``transfer`` or the chain's); an update on the host of stages the chain lacks.
     """
     if isinstance(plan_or_schedule, Plan):
         check_plan_matches(plan_or_schedule, problem)

@@ -12,6 +12,7 @@ import pytest
 
 import cli
 import solvers
+from checks import one_error_line
 from paths import EXAMPLE, ROOT
 from planner import load_chain, load_plan, save_chain, simulate
 from planner.ops import Op
@@ -195,12 +196,10 @@ ERROR_CASES = {
 
 @pytest.mark.parametrize("case", ERROR_CASES)
 def test_expected_errors_print_one_line_and_exit_2(files, tmp_path, capsys, case):
-    assert cli.main(ERROR_CASES[case](files, tmp_path)) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert len(captured.err.splitlines()) == 1
-    assert captured.err.startswith("memsched: error: ")
-    assert "Traceback" not in captured.err
+    status = cli.main(ERROR_CASES[case](files, tmp_path))
+    out, err = capsys.readouterr()
+    one_error_line(status, out, err)
+    assert out == ""
 
 
 @pytest.mark.parametrize("argv", [
@@ -213,9 +212,7 @@ def test_expected_errors_print_one_line_and_exit_2(files, tmp_path, capsys, case
     ["show"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
-    assert cli.main(argv) == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memsched: error: ") and "--help)" in lines[0], lines
+    one_error_line(cli.main(argv), *capsys.readouterr(), "--help)")
 
 
 def test_installed_console_script(tmp_path):

@@ -1,7 +1,7 @@
 """`memsched partition` and `memsched show` on pipeline plans."""
 
 
-from checks import run
+from checks import one_error_line, run
 from paths import EXAMPLE
 from planner import load_chain, load_plan
 from planner.simulate import simulate
@@ -37,6 +37,4 @@ def test_partition_errors_are_one_line(capsys, tmp_path):
         (["--devices", "4", "--micro-batches", "2", "--device-memory", "1GiB"], "micro"),
         (["--devices", "2", "--micro-batches", "4", "--device-memory", "1GiB", "--optimizer", "lion"], "optimizer"),
     ]:
-        status, _, err = run(capsys, "partition", EXAMPLE, *argv)
-        lines = err.strip().splitlines()
-        assert status == 2 and len(lines) == 1 and message in lines[0], err
+        one_error_line(*run(capsys, "partition", EXAMPLE, *argv), message)

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from checks import one_line
+from checks import one_error_line, one_line
 from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from profiles.chain_profiler import profile_chain
@@ -149,9 +149,7 @@ def test_cli_refuses_a_batch_that_does_not_split(chain, tmp_path, capsys):
 
     save_plan(plan_for(chain, "1f1b", tight=False), tmp_path / "plan.json")
     code = cli.main(["train", SPEC, "--plan", str(tmp_path / "plan.json"), "--batch", str(M * MICRO - 1)])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "does not split into 4 equal micro-batches" in err and len(err.strip().splitlines()) == 1
+    one_error_line(code, *capsys.readouterr(), "does not split into 4 equal micro-batches")
 
 
 def test_refuses_1f1b_with_fewer_micro_batches_than_devices(chain):
@@ -189,9 +187,8 @@ def test_a_rank_that_dies_is_reported_in_one_line(chain):
     plan = plan_for(chain, "1f1b", tight=False)
     with pytest.raises(MemschedError) as caught:
         run_pipeline(failing_model, plan, 1, meter=memory_meter, progress_timeout=60)
-    message = str(caught.value)
-    assert message.startswith("pipeline rank 1 failed:") and "stage broken on purpose" in message
-    assert "\n" not in message
+    message = one_line(caught, "stage broken on purpose")
+    assert message.startswith("pipeline rank 1 failed:"), message
 
 
 GPT = "gpt-tiny:layers=2,d=32,heads=2,seq=16,vocab=64,dropout=0"  # no dropout: the same numbers in any order

@@ -21,6 +21,7 @@ import torch
 from test_execute_pipeline import MICRO, SPEC, M, chain, mlp_ending_with, plan_for, pytestmark  # noqa: F401 (fixture, mark)
 
 import cli
+from checks import one_error_line
 from paths import ROOT, TESTS
 from planner import MemschedError, save_plan
 from planner.execute.pipeline import _first_failure, _Rank, run_pipeline
@@ -166,8 +167,8 @@ def test_a_run_longer_than_the_progress_timeout_goes_on_while_steps_finish(chain
 def test_a_rank_that_hangs_is_named_after_the_progress_timeout(plan_path, capsys):
     started = time.monotonic()
     code = train_cli(f"{HERE}:hanging", plan_path, "--progress-timeout", "4")
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    out, err = capsys.readouterr()
+    one_error_line(code, out, err)
     assert err.startswith("memsched: error: pipeline run timed out after 4 s (ranks [0, 1] still running)"), err
     found = re.search(r"rank 1 made no progress for ([\d.]+) s \(step 1: its stage's forward of micro-batch 0\)", err)
     assert found and 2 < float(found.group(1)) <= 5, err
@@ -178,8 +179,8 @@ def test_a_rank_that_hangs_is_named_after_the_progress_timeout(plan_path, capsys
 @pytest.mark.multiprocess
 def test_the_rank_that_dies_is_named_not_the_rank_that_lost_it(plan_path, capsys):
     code = train_cli(f"{HERE}:exiting", plan_path, "--progress-timeout", "60")
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    out, err = capsys.readouterr()
+    one_error_line(code, out, err)
     assert err.startswith("memsched: error: pipeline rank 1 died (exit status 3) without reporting an error"), err
 
 
@@ -204,17 +205,15 @@ def test_the_cause_is_the_first_failure_that_is_not_a_lost_peer():
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e30"])
 def test_cli_refuses_a_progress_timeout_that_is_not_positive(plan_path, capsys, value):
-    code = train_cli(SPEC, plan_path, "--progress-timeout", value)
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("memsched: error: --progress-timeout must be a positive number of seconds, "
-                                        "at most a year"), err
-    assert len(err.strip().splitlines()) == 1
+    line = one_error_line(train_cli(SPEC, plan_path, "--progress-timeout", value), *capsys.readouterr())
+    assert line.startswith("memsched: error: --progress-timeout must be a positive number of seconds, at most a "
+                           "year"), line
 
 
 def test_cli_refuses_a_progress_timeout_without_a_pipeline_plan(capsys):
-    assert cli.main(["train", SPEC, "--budget", "50%", "--progress-timeout", "10"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("memsched: error: --progress-timeout bounds a pipeline run") and err.count("\n") == 1
+    line = one_error_line(cli.main(["train", SPEC, "--budget", "50%", "--progress-timeout", "10"]),
+                          *capsys.readouterr())
+    assert line.startswith("memsched: error: --progress-timeout bounds a pipeline run"), line
 
 
 @pytest.mark.parametrize("value", [0, 1e30])

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from checks import one_error_line, one_line
 from discovery_models import MODELS, VOCAB
 from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.chain import Chain, Loss, Stage, StageOption
@@ -125,7 +126,7 @@ def test_what_accumulation_does_not_mix_with_is_refused_in_one_line():
     for call, message in cases:
         with pytest.raises(MemschedError, match=message) as error:
             call()
-        assert "\n" not in str(error.value)
+        one_line(error)
 
 
 def _micro_batches(seed: int) -> list:
@@ -207,7 +208,7 @@ def test_an_accumulating_plan_runs_eagerly():
     model, batch, _ = MODELS["llama"]()
     with pytest.raises(MemschedError, match="accumulate=2 does not mix with compile=True") as error:
         fit(model, batch, "50%", accumulate=2, compile=True)
-    assert "\n" not in str(error.value)
+    one_line(error)
     with pytest.raises(MemschedError, match="fit accumulate: .* got 0"):
         fit(model, batch, "50%", accumulate=0)
     chain = _two_stages()
@@ -249,4 +250,4 @@ def test_train_accumulates_and_reports_each_micro_batch_against_its_prediction(c
 ])
 def test_train_refuses_accumulate_with_what_it_does_not_mix_with(capsys, extra, message):
     status, out, err = _run(capsys, "train", SMALL, "--budget", "50%", "--accumulate", "2", *extra)
-    assert status == 2 and message in err and len(err.strip().splitlines()) == 1 and "measured peak" not in out
+    one_error_line(status, out, err, message)

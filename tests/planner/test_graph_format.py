@@ -88,8 +88,7 @@ def test_invalid_graph_is_one_line_naming_the_field(tmp_path, change, fragments)
     path.write_text(json.dumps(_mutated(change)))
     with pytest.raises(MemschedError) as excinfo:
         load_graph(path)
-    message = str(excinfo.value)
-    assert "\n" not in message and str(path) in message
+    message = one_line(excinfo, str(path))
     for fragment in fragments:
         assert fragment in message
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import solvers
+from checks import one_line
 from paths import TESTS
 from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.chain import load_chain
@@ -64,9 +65,8 @@ def test_a_rule_refuses_its_pair_in_one_line_naming_both(rule, interface):
     setup, run = _both(rule.first, rule.second)
     with pytest.raises(MemschedError) as caught:
         check(setup, run, interface)
-    message = str(caught.value)
     first, second = (FLAGS[interface][f].format(accumulate=4, update="in-backward") for f in (rule.first, rule.second))
-    assert "\n" not in message and message.startswith(first) and second in message and rule.why in message
+    assert one_line(caught, second, rule.why).startswith(first)
     for alone in (rule.first, rule.second):
         check(*HAVING[alone])  # each feature alone is fine
 
@@ -84,7 +84,7 @@ def test_the_setup_fields_are_checked_in_one_line():
                            ({"host_weights": "1,x"}, "weights"), ({"host_weights": [-1]}, "weights")):
         with pytest.raises(MemschedError, match=wanted) as caught:
             TrainingSetup(**fields)
-        assert "\n" not in str(caught.value)
+        one_line(caught)
     assert TrainingSetup(host_weights="3, 1,3").host_weights == (1, 3)
     assert TrainingSetup(update="on-host", host_stages=[4, 2]).host_stages == (2, 4)
 
@@ -113,6 +113,28 @@ def test_solve_does_not_recurse(monkeypatch):
         assert len(calls) == 1, setup
 
 
+def test_apply_plan_checks_the_rules_once_with_the_plans_setup(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import planner.execute.chain as executor
+
+    original, checked = executor.check, []
+
+    def counted(setup, *args, **kwargs):
+        checked.append(setup)
+        return original(setup, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "check", counted)
+    stages = [torch.nn.Linear(4, 4) for _ in range(CHAIN.length)]
+    chain = dataclasses.replace(CHAIN, measured_on=None)  # these stages are not the ones it was measured on
+    budget = solvers.store_all_peak(chain) * 8 // 10
+    for setup in (TrainingSetup(), TrainingSetup(update="in-backward"), TrainingSetup(accumulate=2),
+                  TrainingSetup(update="on-host", host_stages=(1,))):
+        plan = solvers.solve(chain, budget * setup.accumulate, "rotor", setup, transfer=CHANNEL)
+        checked.clear()
+        executor.apply_plan(stages, plan)
+        assert checked == [plan.setup], setup
+
+
 SETUPS = {"bf16": TrainingSetup(precision="bf16"), "fp32": TrainingSetup(), "zero2": TrainingSetup(zero=2, dp=2),
           "zero3": TrainingSetup(zero=3, dp=2),
           "fp16-zero1": TrainingSetup(optimizer="sgd", precision="fp16", zero=1, dp=4)}
@@ -130,8 +152,7 @@ def test_one_least_figure_for_one_setup(name, update):
     assert plan.budget_bytes == least_budget(chain, setup) and plan.predicted.peak_bytes <= plan.budget_bytes
     with pytest.raises(MemschedError) as caught:
         solve_for_budget(chain, "auto", "auto", setup, floor - 1)
-    message = str(caught.value)
-    assert "\n" not in message and f"least device memory for this setup is {floor} bytes" in message
+    one_line(caught, f"least device memory for this setup is {floor} bytes")
 
 
 def test_a_plan_records_its_setup_and_is_simulated_through_it(tmp_path):
@@ -170,4 +191,4 @@ def test_fit_takes_the_setup_as_one_value():
                           ({"compile": True}, "accumulate=3 does not mix with compile=True")):
         with pytest.raises(MemschedError, match=wanted) as caught:
             fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick, **given)
-        assert "\n" not in str(caught.value)
+        one_line(caught)

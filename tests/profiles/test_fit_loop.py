@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from checks import one_line
 from discovery_models import MODELS
 from planner.errors import MemschedError
 from planner.execute.live_memory import LiveMemoryTracker
@@ -94,7 +95,7 @@ def test_an_output_without_the_loss_returns_the_loss_or_fails_in_one_line():
     model.zero_grad(set_to_none=True)
     with pytest.raises(MemschedError, match=r"does not hold the loss.*returns='loss'") as error:
         fit(model, pixels, "80%", loss_fn=loss_fn, returns="output", **QUICK)
-    assert "\n" not in str(error.value)
+    one_line(error)
     model, batch, _ = MODELS["gpt2"]()
     assert fit(model, batch, "80%", returns="loss", **QUICK)(**batch).dim() == 0
 
@@ -157,7 +158,7 @@ def test_a_module_left_in_another_mode_fails_in_one_line(gpt2):
     try:
         with pytest.raises(MemschedError, match=r"transformer\.h\.1 is in eval mode.*fitted\.eval\(\)") as error:
             fitted(**batch)
-        assert "\n" not in str(error.value)
+        one_line(error)
     finally:
         model.train()
 
@@ -188,7 +189,7 @@ def test_the_state_dict_is_the_models_own(gpt2):
     model.zero_grad(set_to_none=True)
     with pytest.raises(MemschedError, match=r"assign=True.*load without assign") as error:
         fitted.load_state_dict(other.state_dict(), assign=True)
-    assert "\n" not in str(error.value)
+    one_line(error)
     assert fitted.to("cpu") is fitted and fitted.to(torch.float32) is fitted  # moves nothing: itself
 
 

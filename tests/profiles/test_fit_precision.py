@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from checks import one_line
 from discovery_models import MODELS
 from planner.errors import MemschedError
 from planner.execute.live_memory import LiveMemoryTracker
@@ -111,7 +112,7 @@ def test_a_call_under_another_autocast_state_is_refused_in_one_line(bf16_fits):
         with state, pytest.raises(MemschedError, match=f"called under {named}, but it was fitted under bfloat16 "
                                                        f"autocast on cpu") as error:
             fitted(**batch)
-        assert "\n" not in str(error.value)
+        one_line(error)
     with pytest.raises(MemschedError, match="fit autocast must be torch.bfloat16, torch.float16"):
         fit(model, batch, "80%", autocast=torch.float64)
 

@@ -8,6 +8,7 @@ measurements, the node target, and one-line errors.
 import pytest
 import torch
 
+from checks import one_line
 from planner.errors import MemschedError
 from planner.graph import Graph
 from profiles import zoo
@@ -94,4 +95,4 @@ def test_node_target():
 def test_bad_input_is_one_line(call, expected):
     with pytest.raises(MemschedError) as info:
         call(build(RESNET))
-    assert expected in str(info.value) and "\n" not in str(info.value)
+    one_line(info, expected)
