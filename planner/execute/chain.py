@@ -129,6 +129,9 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
         raise MemschedError(f"apply_plan runs plans of kind 'chain', not of kind '{plan.kind}' (a graph plan runs "
                             "with planner.execute.graph.GraphExecutor, a pipeline plan with "
                             "planner.execute.pipeline.run_pipeline)")
+    if plan.setup.sharded:
+        raise MemschedError(f"the plan is for one rank's step of {plan.setup.describe()}: train it on its ranks, "
+                            f"memsched train SPEC --dp {plan.setup.dp} --zero {plan.setup.zero} --plan PLAN.json")
     if plan.moves_data and plan.transfer is None:
         raise MemschedError("the plan moves data between device and host but records no copy channel "
                             "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
