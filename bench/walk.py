@@ -50,7 +50,8 @@ class Trace:
     def __init__(self, root: str, base, entry):
         self.base, self.entry, self.place, self.visited, self.moves, self.calls = base, entry, None, set(), set(), set()
         self.back = self.depth = self.entries = 0  # distinct moves back, most project frames, entries into solve
-        self.ours = lambda code: code.co_filename.startswith(root) and code.co_filename != str(HERE)  # project's
+        self.ours = lambda code: (code.co_filename.startswith(root) and code.co_filename != str(HERE)  # project's
+                                  and "site-packages" not in code.co_filename)  # (not a virtualenv in the checkout)
 
     def __call__(self, frame, event, arg):
         if event not in ("call", "return") or not self.ours(frame.f_code):
