@@ -17,6 +17,7 @@ from pathlib import Path
 import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json
+from planner.transfer import Transfer
 from planner.units import parse_bandwidth, parse_budget
 
 DEVICE_FORMAT = "memsched.device/1"
@@ -46,6 +47,11 @@ class DeviceSpec:
     def flops(self, low_precision: bool) -> float:
         """Peak FLOP/s of a model computing in bf16 or fp16 (``low_precision``: tensor cores) or else in fp32."""
         return self.bf16_flops if low_precision else self.fp32_flops
+
+    def transfer(self) -> Transfer:
+        """The host link as a copy channel (planner/transfer.py): the data sheet's peak each way, no latency; a
+        measured channel (``memsched profile`` on the device) is slower."""
+        return Transfer(d2h_bandwidth=self.d2h_bandwidth, h2d_bandwidth=self.h2d_bandwidth)
 
     def to_dict(self) -> dict:
         return {"format": DEVICE_FORMAT, **{field: getattr(self, field) for field in _FIELDS[1:]}}

@@ -8,6 +8,7 @@ import pytest
 
 from checks import raises_one_line
 from planner.devices import DEVICE_FORMAT, DEVICES, DeviceSpec, device_spec, load_device_spec
+from planner.transfer import Transfer
 
 GIB = 2**30
 GOOD = {"format": DEVICE_FORMAT, "name": "my-gpu", "memory_bytes": "24GiB", "bf16_flops": 1.2e14, "fp32_flops": 3e13,
@@ -22,6 +23,7 @@ def test_built_in_devices_by_name_with_data_sheet_figures():
     assert (h100.memory_bytes, h100.bf16_flops, h100.fp32_flops) == (80 * GIB, 989.5e12, 67e12)
     assert (h100.memory_bandwidth, h100.d2h_bandwidth, h100.h2d_bandwidth) == (3.35e12, 64e9, 64e9)
     assert device_spec("a100-40gb").memory_bytes == 40 * GIB and device_spec("a100-80gb").bf16_flops == 312e12
+    assert h100.transfer() == Transfer(64e9, 64e9, 0.0)
     for name, spec in DEVICES.items():
         assert spec.name == name and spec.allocator == "cuda"
         assert "data sheet" in spec.source or "whitepaper" in spec.source
