@@ -15,6 +15,7 @@ import planner.render as render
 import planner.validate as validate
 import solvers
 from planner import check_plan_matches, check_plan_schedules, load_chain, load_plan, save_chain, save_plan, simulate
+from planner.devices import DEVICES, device_spec
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, load_graph, save_graph
 from planner.jsonio import output_path, read_json
@@ -171,20 +172,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memsched", description="Plan memory-bounded training of a chain of stages.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
 
-    profile = commands.add_parser("profile", help="measure a model into a chain problem",
-                                  description="Measure a model, stage by stage, into a chain problem "
-                                              "(memsched.chain/1).")
+    profile = commands.add_parser("profile", help="measure a model into a chain problem", description="Measure a "
+                                  "model, stage by stage, into a chain problem (memsched.chain/1).")
     profile.add_argument("spec", metavar="SPEC",
                          help="a built-in model (mlp, gpt-tiny, resnet-tiny; options as gpt-tiny:layers=12,d=512) "
                               "or path/to/file.py:factory")
     profile.add_argument("-o", "--output", required=True, metavar="CHAIN.json", help="write the chain here")
     profile.add_argument("--batch", type=_at_least(1), metavar="N", help="batch size")
-    profile.add_argument("--device", choices=("cpu", "cuda"),
-                         help="measure on this device (default: where the model is)")
+    profile.add_argument("--device", choices=("cpu", "cuda"), help="measure on this device (default: the model's)")
     profile.add_argument("--estimate", action="store_true",
                          help="allocate nothing: exact sizes from fake tensors, times from FLOPs / --throughput")
     profile.add_argument("--throughput", type=float, metavar="FLOP/s",
                          help="device throughput assumed by --estimate (default: 1e12)")
+    profile.add_argument("--device-spec", metavar="NAME|FILE", help=f"--estimate for a device: {', '.join(DEVICES)} "
+                         "or a memsched.device/1 file (in its allocator's blocks, at its peak FLOP/s)")
     profile.add_argument("--graph", action="store_true",
                          help="profile the whole training step as a graph (memsched.graph/1) instead of a chain")
     profile.add_argument("--nodes", type=_at_least(2, validate.MAX_INDEX), default=200, metavar="N",
@@ -332,13 +333,13 @@ def _profile(args) -> None:
     from profiles.chain_profiler import profile_chain  # torch loads only for the commands that need it
     from profiles.spec import load_model
 
-    if args.throughput is not None and not args.estimate:
-        raise MemschedError("--throughput is the FLOP/s assumed by --estimate: give it with --estimate")
+    for flag in _given(args, "--throughput", "--device-spec") if not args.estimate else ():
+        raise MemschedError(f"{flag} is what --estimate assumes of the device: give it with --estimate")
     # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
     # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
-    channel = _channel(args)
-    if args.graph and channel is not None:
-        raise MemschedError("--bandwidth is for chain profiles (offload plans); a graph profile has no copy channel")
+    channel, target = _channel(args), args.device_spec and device_spec(args.device_spec)
+    for flag in _given(args, "--bandwidth", "--device-spec") if args.graph else ():
+        raise MemschedError(f"{flag} is for chain profiles; a graph profile has no copy channel nor device spec")
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph)
     if args.graph:
         from profiles.training import profiled_for_training  # the training runtime: not for a chain profile
@@ -353,7 +354,7 @@ def _profile(args) -> None:
         chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, device=args.device,
                               warmup=args.warmup, repeats=args.repeats, name=model.name, estimate=args.estimate,
                               throughput=args.throughput, progress=bar, transfer=channel, options=args.options,
-                              say=bar.say)
+                              say=bar.say, device_spec=target)
     finally:  # done, or an error or Ctrl-C mid-bar
         bar.end()
     save_chain(chain, args.output)
@@ -520,8 +521,7 @@ def _print_saved(lines, plan, output) -> None:
     """Print ``lines``; with an ``output`` path, after writing ``plan`` there and saying so."""
     if output:
         save_plan(plan, output)
-        lines = lines + [f"plan written to {output}"]
-    print("\n".join(lines))
+    print("\n".join(lines + ([f"plan written to {output}"] if output else [])))
 
 
 def _show(args) -> None:

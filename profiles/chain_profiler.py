@@ -6,7 +6,9 @@
 forward, no-grad and backward temporaries, ``param_bytes`` and the times; memory from one run under the
 live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separate runs without it. With
 ``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (profiles/fake_build.py):
-sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
+sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput; for a target
+``device_spec`` (planner/devices.py) the throughput is its peak and every storage counts as the block its
+allocator hands out (planner/allocator.py: a CUDA estimate is in allocated bytes). The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
 (``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
 ``options=N`` each distinct stage also gets its stage options (profiles/options.py), measured as it runs them
@@ -22,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.allocator import rounding
 from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
 from planner.execute.autograd import accumulate_grads
@@ -46,7 +49,7 @@ DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
                   estimate=False, throughput=None, progress=None, transfer=None, options=0, say=None,
-                  check=None, share_identical=True) -> Chain:
+                  check=None, share_identical=True, device_spec=None) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
@@ -60,13 +63,15 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     as :func:`profiles.options.measure_options` says (``check``: see there);
     till then each distinct stage's input is kept. A stage identical to an
     earlier one (:func:`profiles.identical.stage_key`; none with
-    ``share_identical=False``) gets its figures and options, measured once.
+    ``share_identical=False``) gets its figures and options, measured once. ``device_spec``: the device an
+    estimate is for (:func:`_target`), recorded as the chain's ``device``.
     """
     pairs, say = named_stages(stages), say or (lambda line: None)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not inputs:
         raise MemschedError("example_inputs is empty: give the first stage's input")
     loss_fn = loss_fn or default_loss
+    throughput, size_of = _target(device_spec, throughput, estimate, [module for _, module in pairs])
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
     if device is not None:
         device = checked_device(device)
@@ -75,7 +80,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
                      for stage_name, module in pairs]
             inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     device = device or _device_of(inputs)
-    runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
+    runner = _Runner(device, warmup, repeats, fake_mode, throughput, size_of)
     modules = [module for _, module in pairs]
     with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
@@ -99,7 +104,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             else:
                 same_as[k] = k
                 stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
-                                                 input_bytes=storage_bytes(_tensors(activation)))
+                                                 input_bytes=runner.bytes(_tensors(activation)))
                 if options:
                     kept_inputs[k] = last_input
                 say(f"stage {k} ({stage_name}) of {len(pairs)}: measured in {seconds_since(started)}")
@@ -110,10 +115,11 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra, runner.ran)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
         say(f"loss: measured in {seconds_since(started)}")
-        label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
+        target = device_spec.name if device_spec else device
+        label = f"{target} (estimated at {throughput:.3g} FLOP/s)" if fake_mode else str(device)
         if transfer is None and fake_mode is None:
             transfer = measure_transfer(device)
-        chain = Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
+        chain = Chain(name=name, device=label, input_bytes=runner.bytes(resident), stages=tuple(profiled), loss=loss,
                       transfer=transfer, measured_on=measured_on(pairs, inputs), shared=shared_parameters(pairs),
                       layout=parameter_layout(pairs))
         if options:
@@ -122,12 +128,29 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             def measured_options(k):  # stage k with its options, its input let go
                 stage_input = kept_inputs.pop(k)
                 return runner.with_options(k, *pairs[k], chain.stages[k], stage_input, extra, options, known,
-                                           storage_bytes(_tensors(stage_input)))
+                                           runner.bytes(_tensors(stage_input)))
 
             chain = measure_options(chain, same_as, measured_options, check, say)
         elif check:
             check(chain, {})
     return chain
+
+
+def _target(device_spec, throughput, estimate, modules) -> tuple:
+    """``(FLOP/s, size_of)`` a profile assumes: ``throughput`` (default :data:`DEFAULT_THROUGHPUT`) and storages
+    counted as they are (None); or, for a ``device_spec``, its peak in the model's precision (bf16 when a parameter
+    is bf16 or fp16, else fp32; a model run under autocast keeps fp32 parameters: give its throughput instead) and
+    the bytes its allocator counts for each storage (:func:`planner.allocator.rounding`)."""
+    if device_spec is None:
+        return throughput or DEFAULT_THROUGHPUT, None
+    if not estimate:
+        raise MemschedError("a device spec is for estimates (estimate=True, --estimate): a measured profile is the "
+                            "device's own")
+    if throughput is not None:
+        raise MemschedError("give a throughput (--throughput) or a device spec (--device-spec), not both: the spec's "
+                            "peak FLOP/s is the throughput")
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for module in modules for p in _module_parameters(module))
+    return device_spec.flops(low), rounding(device_spec.allocator)
 
 
 def _tensors(tree) -> list:
@@ -163,12 +186,17 @@ def _parameter_owners(modules) -> list:
 class _Runner:
     """Runs one stage (or the loss) for memory, then for time."""
 
-    def __init__(self, device, warmup, repeats, fake_mode, throughput):
+    def __init__(self, device, warmup, repeats, fake_mode, throughput, size_of=None):
         self.device = torch.device(device)
+        self.size_of = size_of  # bytes -> the bytes the target's allocator counts (None: as they are)
         self.fake = fake_mode is not None
         self.warmup, self.repeats = (0, 1) if self.fake else (warmup, repeats)  # FLOPs: the same on every run
         self.throughput = throughput
         self.ran = set()  # the stages that ran once without failing (a later failure: not repeatable)
+
+    def bytes(self, tensors) -> int:
+        """Bytes of the distinct storages behind ``tensors``, as the target's allocator counts them."""
+        return storage_bytes(tensors, size_of=self.size_of)
 
     def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
         """Profile one stage on ``activation``; return ``(Stage, its output detached)``."""
@@ -182,21 +210,21 @@ class _Runner:
             packed = {}  # storage key -> bytes; no references kept, so the backward frees as it goes
 
             def pack(tensor):
-                packed.update(storages([tensor]))  # noqa: F821 (closure, later del)
+                packed.update(storages([tensor], size_of=self.size_of))  # noqa: F821 (closure, later del)
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = call(stage_input)
             forward_peak = meter.peak - start
             outputs = _tensors(output)
-            out_bytes = storage_bytes(outputs)
+            out_bytes = self.bytes(outputs)
             not_kept = set(storages(_tensors(stage_input) + resident)) | parameter_keys
             kept = {key: size for key, size in packed.items() if key not in not_kept}
             own_saved_bytes = sum(kept.values())
-            output_storages = storages(outputs)
+            output_storages = storages(outputs, size_of=self.size_of)
             kept.update(output_storages)
             saved_bytes = sum(kept.values())
-            gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
+            gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             # An output no backward saved is not held at this stage's backward in the model (B k+1 released it):
             # the executor drops it first, and so does the measured backward (release), from a start without it.
             unsaved = sum(size for key, size in output_storages.items() if key not in packed and key not in not_kept)
@@ -223,7 +251,7 @@ class _Runner:
             with torch.no_grad():
                 next_activation = call(_fresh_input(activation, False))
             no_grad_peak = meter.peak - start
-        param_bytes = storage_bytes([p for p in owned])
+        param_bytes = self.bytes(list(owned))
         for parameter in _module_parameters(module):
             parameter.grad = None
         fwd_time, bwd_time = self._stage_times(call, activation, needs_grad, module)
@@ -241,9 +269,9 @@ class _Runner:
         output from one run without autograd; None when that output's bytes are not ``measured``'s."""
         with torch.no_grad():
             output = _guarded(k, stage_name, module, extra, self.ran)(_fresh_input(activation, False))
-        if storage_bytes(_tensors(output)) != measured.out_bytes:
+        if self.bytes(_tensors(output)) != measured.out_bytes:
             return None
-        stage = dataclasses.replace(measured, name=stage_name, param_bytes=storage_bytes(list(owned)))
+        stage = dataclasses.replace(measured, name=stage_name, param_bytes=self.bytes(list(owned)))
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
     def with_options(self, k, stage_name, module, stage, activation, extra, count, known, input_bytes) -> Stage:
@@ -285,8 +313,8 @@ class _Runner:
             output = call(stage_input)
             forward_peak, kept = meter.peak - start, meter.current - start  # what autograd keeps, the output
             outputs = _tensors(output)
-            out_bytes = storage_bytes(outputs)
-            gradient_bytes = storage_bytes([t for t in outputs if t.requires_grad])
+            out_bytes = self.bytes(outputs)
+            gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             meter.reset_peak()
             start = meter.current
             _backward(outputs, stage_input, module)
@@ -343,7 +371,7 @@ class _Runner:
         return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes), saved_bytes=max(0, saved))
 
     def _meter(self):
-        return LiveMemoryTracker() if self.fake else memory_meter(self.device)
+        return LiveMemoryTracker(self.size_of) if self.fake else memory_meter(self.device)
 
     def _timed_step(self, call, activation, needs_grad, module) -> tuple:
         """``(forward, backward)`` seconds of one ``call`` on a fresh input and its backward (gradients cleared)."""

@@ -81,17 +81,19 @@ def memory_meter(device, compiled: bool = False):
     return ProfilerMemoryMeter() if compiled else LiveMemoryTracker()
 
 
-def storage_bytes(tensors, exclude=()) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once), minus those in ``exclude``."""
-    return sum(storages(tensors, exclude).values())
+def storage_bytes(tensors, exclude=(), size_of=None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once), minus those in ``exclude``;
+    each storage counted as ``size_of(its bytes)`` when given (an allocator's rounding: planner/allocator.py)."""
+    return sum(storages(tensors, exclude, size_of).values())
 
 
-def storages(tensors, exclude=()) -> dict:
-    """``{storage key: bytes}`` for the tensors, leaving out storages of the tensors in ``exclude``."""
+def storages(tensors, exclude=(), size_of=None) -> dict:
+    """``{storage key: bytes}`` for the tensors, leaving out storages of the tensors in ``exclude``; the bytes
+    ``size_of(bytes)`` when given."""
     skip = {t.untyped_storage()._cdata for t in exclude}
     found = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage._cdata not in skip:
-            found[storage._cdata] = storage.nbytes()
+            found[storage._cdata] = size_of(storage.nbytes()) if size_of else storage.nbytes()
     return found

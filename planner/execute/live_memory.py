@@ -8,7 +8,8 @@ window with gradients already ``None`` and optimizer state already created. A st
 (``UntypedStorage.resize_``, as FSDP2 frees and re-allocates its all-gathered parameters) is followed too: a
 counted one changes by the difference, one from before the window counts from when it grows from empty. The
 selective-checkpoint policy predicts its peak with it (on fake tensors); the profilers and tests measure with it
-(:func:`profiles.memory.memory_meter`).
+(:func:`profiles.memory.memory_meter`). With ``size_of`` each storage counts as that function of its bytes: an
+estimate for a CUDA device counts the blocks its allocator would hand out (planner/allocator.py).
 """
 
 import weakref
@@ -29,10 +30,12 @@ def _resize_seen(storage, size):
 
 
 class LiveMemoryTracker(TorchDispatchMode):
-    """Bytes of storages allocated inside the ``with`` block and still alive; and their peak."""
+    """Bytes of storages allocated inside the ``with`` block and still alive; and their peak. ``size_of(bytes)``:
+    the bytes one storage counts as (default: its own)."""
 
-    def __init__(self):
+    def __init__(self, size_of=None):
         super().__init__()
+        self._size_of = size_of or (lambda size: size)
         self._live = {}  # storage key -> bytes
         self.current = 0
         self.peak = 0
@@ -63,7 +66,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             return
-        size = storage.nbytes()
+        size = self._size_of(storage.nbytes())
         self._live[key] = size
         self.current += size
         self.peak = max(self.peak, self.current)
@@ -72,7 +75,7 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _resized(self, storage, before: int) -> None:
         key = storage._cdata
         if key in self._live:
-            size = storage.nbytes()
+            size = self._size_of(storage.nbytes())
             self.current += size - self._live[key]
             self._live[key] = size
             self.peak = max(self.peak, self.current)

@@ -1,0 +1,97 @@
+"""A target device as data (planner/devices.py): the built-in specs by name, a ``memsched.device/1`` file, and every
+bad name, file or figure refused in one line naming the field and the fix."""
+
+import json
+import math
+
+import pytest
+
+from checks import raises_one_line
+from planner.devices import DEVICE_FORMAT, DEVICES, DeviceSpec, device_spec, load_device_spec
+from planner.transfer import Transfer
+
+GIB = 2**30
+GOOD = {"format": DEVICE_FORMAT, "name": "my-gpu", "memory_bytes": "24GiB", "bf16_flops": 1.2e14, "fp32_flops": 3e13,
+        "memory_bandwidth": "300GB/s", "d2h_bandwidth": 25e9, "h2d_bandwidth": "25GB/s", "allocator": "cuda",
+        "source": "my measurements"}
+
+
+def test_built_in_devices_by_name_with_data_sheet_figures():
+    assert {"h100-80gb", "h100-pcie-80gb", "a100-80gb", "a100-40gb", "l4", "rtx-4090"} <= set(DEVICES)
+    h100 = device_spec("h100-80gb")
+    assert h100 == device_spec("H100-80GB")  # names are case-blind
+    assert (h100.memory_bytes, h100.bf16_flops, h100.fp32_flops) == (80 * GIB, 989.5e12, 67e12)
+    assert (h100.memory_bandwidth, h100.d2h_bandwidth, h100.h2d_bandwidth) == (3.35e12, 64e9, 64e9)
+    assert device_spec("a100-40gb").memory_bytes == 40 * GIB and device_spec("a100-80gb").bf16_flops == 312e12
+    assert h100.transfer() == Transfer(64e9, 64e9, 0.0)
+    for name, spec in DEVICES.items():
+        assert spec.name == name and spec.allocator == "cuda"
+        assert "data sheet" in spec.source or "whitepaper" in spec.source
+        assert spec.source and spec.memory_bytes >= 16 * GIB and spec.bf16_flops > spec.fp32_flops > 1e13
+        assert spec.flops(low_precision=True) == spec.bf16_flops and spec.flops(False) == spec.fp32_flops
+        assert 1e11 < spec.memory_bandwidth < 1e13 and spec.d2h_bandwidth == spec.h2d_bandwidth <= 64e9
+
+
+def test_a_device_file_round_trips(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(GOOD))
+    spec = device_spec(str(path))
+    assert spec == DeviceSpec("my-gpu", 24 * GIB, 1.2e14, 3e13, 3e11, 25e9, 25e9, "cuda", "my measurements")
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(spec.to_dict()))
+    assert load_device_spec(again) == spec
+    cpu = dict(GOOD, allocator="cpu", memory_bytes=2**34)
+    del cpu["source"]
+    path.write_text(json.dumps(cpu))
+    assert device_spec(path).allocator == "cpu" and device_spec(path).memory_bytes == 2**34
+
+
+def test_an_unknown_name_lists_the_known_ones():
+    message = raises_one_line(device_spec, "h100")
+    assert "'h100'" in message and "docs/formats.md" in message and DEVICE_FORMAT in message
+    assert all(name in message for name in DEVICES)
+
+
+@pytest.mark.parametrize("text, fragments", [
+    pytest.param("{not json", ("not valid JSON",), id="not-json"),
+    pytest.param("[1, 2]", ("expected a JSON object",), id="a-list"),
+    pytest.param(json.dumps(dict(GOOD, format="memsched.chain/1")), ("expected 'memsched.device/1'",), id="format"),
+    pytest.param(json.dumps({k: v for k, v in GOOD.items() if k != "format"}), ("missing field 'format'",),
+                 id="no-format"),
+    pytest.param(json.dumps({k: v for k, v in GOOD.items() if k != "fp32_flops"}), ("missing field 'fp32_flops'",),
+                 id="missing-field"),
+    pytest.param(json.dumps(dict(GOOD, memory=1)), ("unknown field 'memory'", "memory_bytes"), id="typo"),
+])
+def test_a_malformed_file_is_refused(tmp_path, text, fragments):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    message = raises_one_line(device_spec, str(path))
+    assert all(fragment in message for fragment in fragments), message
+
+
+@pytest.mark.parametrize("field, value, fragments", [
+    pytest.param("memory_bytes", 0, ("memory_bytes", "below 1 MiB", "80GiB is 85899345920"), id="memory-zero"),
+    pytest.param("memory_bytes", -1, ("memory_bytes", ">= 0"), id="memory-negative"),
+    pytest.param("memory_bytes", 1000, ("memory_bytes", "below 1 MiB"), id="memory-1000-bytes"),
+    pytest.param("memory_bytes", "lots", ("memory_bytes", "cannot read 'lots'", "4GiB"), id="memory-words"),
+    pytest.param("memory_bytes", True, ("memory_bytes", "whole number of bytes"), id="memory-bool"),
+    pytest.param("memory_bytes", 1.5e9 + 0.5, ("memory_bytes", "whole number of bytes"), id="memory-fraction"),
+    pytest.param("memory_bytes", None, ("memory_bytes", "whole number of bytes"), id="memory-null"),
+    pytest.param("memory_bytes", 2**61, ("memory_bytes", "1 EiB"), id="memory-beyond-an-exbibyte"),
+    pytest.param("bf16_flops", 0, ("bf16_flops", "FLOP/s from 1000"), id="bf16-zero"),
+    pytest.param("fp32_flops", -3e13, ("fp32_flops", "positive number of FLOP/s"), id="fp32-negative"),
+    pytest.param("fp32_flops", "67 TFLOPS", ("fp32_flops", "a number of FLOP/s", "9.895e14"), id="fp32-string"),
+    pytest.param("bf16_flops", math.nan, ("bf16_flops",), id="bf16-nan"),
+    pytest.param("memory_bandwidth", 0, ("memory_bandwidth", "bytes per second", "leave it out"), id="bandwidth-zero"),
+    pytest.param("d2h_bandwidth", -1e9, ("d2h_bandwidth", "bytes per second"), id="d2h-negative"),
+    pytest.param("h2d_bandwidth", "fast", ("h2d_bandwidth", "cannot read 'fast'", "16GB/s"), id="h2d-words"),
+    pytest.param("allocator", "rocm", ("allocator", '"cuda"', '"cpu"', "'rocm'"), id="allocator"),
+    pytest.param("name", "  ", ("name is empty", "h100-80gb"), id="name-empty"),
+    pytest.param("name", 7, ("name must be a string",), id="name-number"),
+])
+def test_nonsense_figures_are_refused_naming_the_field(tmp_path, field, value, fragments):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(GOOD, **{field: value})))
+    message = raises_one_line(device_spec, str(path))
+    assert message.startswith(f"{path}: {field}") or f"{path}: {field}" in message, message
+    assert all(fragment in message for fragment in fragments), message

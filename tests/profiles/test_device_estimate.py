@@ -1,0 +1,116 @@
+"""An estimate for a target device (``profile_chain(..., device_spec=...)``, ``memsched profile --estimate
+--device-spec``): every storage counted as the block the CUDA caching allocator hands out (planner/allocator.py),
+the spec's peak FLOP/s as the throughput, its name as the chain's device; bad combinations refused in one line."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import cli
+from checks import one_error_line, raises_one_line, run
+from planner import load_chain, simulate
+from planner.allocator import MIN_BLOCK, allocated_bytes
+from planner.devices import DEVICES, DeviceSpec, device_spec
+from profiles.chain_profiler import profile_chain
+from profiles.fake_build import build_fake
+from solvers.extremes import store_all_schedule
+
+BATCH = 3001  # odd sizes everywhere; stage 1's output 12 004 000 bytes: a 12 MiB segment handed out whole
+H100 = DEVICES["h100-80gb"]
+GPT = "gpt-tiny:layers=1,d=36,heads=2,seq=7,vocab=61,batch=3"
+STAGE_BYTES = ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "nograd_tmp_bytes", "bwd_tmp_bytes", "param_bytes",
+               "own_saved_bytes")
+OPTION_BYTES = ("saved_bytes", "own_saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes")
+
+
+def odd_model(dtype=torch.float32):
+    return [nn.Linear(7, 13, dtype=dtype), nn.Sequential(nn.Linear(13, 1000, dtype=dtype), nn.Tanh()),
+            nn.Linear(1000, 900, dtype=dtype)], torch.randn(BATCH, 7, dtype=dtype)
+
+
+def estimate(dtype=torch.float32, **options):
+    _, (stages, x) = build_fake(lambda: odd_model(dtype))
+    return profile_chain(stages, x, estimate=True, warmup=0, repeats=1, name="odd", **options), stages
+
+
+def sizes(chain) -> list:
+    """Every size of the chain: its input, each stage's figures and its options', the loss's."""
+    figures = [chain.input_bytes, chain.loss.tmp_bytes, chain.loss.saved_bytes]
+    for stage in chain.stages:
+        figures += [getattr(stage, field) for field in STAGE_BYTES] + [stage.held_bwd_tmp_bytes or 0]
+        figures += [getattr(option, field) for option in stage.options for field in OPTION_BYTES]
+    return figures
+
+
+def test_a_cuda_estimate_counts_the_allocators_blocks():
+    plain, stages = estimate()
+    rounded, _ = estimate(device_spec=H100)
+    assert all(size % MIN_BLOCK == 0 for size in sizes(rounded)), sizes(rounded)
+    assert sizes(rounded) != sizes(plain)
+    # What the rule predicts, from the unrounded figures: one storage per output, one per parameter.
+    assert rounded.input_bytes == allocated_bytes(BATCH * 7 * 4) == 84_480 != plain.input_bytes == 84_028
+    assert [s.out_bytes for s in rounded.stages] == [allocated_bytes(s.out_bytes) for s in plain.stages]
+    # 156 052 B: 305 blocks of 512; 12 004 000 B: its 12 MiB segment whole (it would leave 578 560 B); 10 803 600 B:
+    # 21 101 blocks, split off its 12 MiB segment (it leaves 1 779 200 B, more than 1 MiB).
+    assert [s.out_bytes for s in rounded.stages] == [156_160, 12 * 2**20, 10_803_712]
+    assert [s.param_bytes for s in rounded.stages] == [
+        sum(allocated_bytes(p.untyped_storage().nbytes()) for p in stage.parameters()) for stage in stages]
+    assert [s.param_bytes for s in rounded.stages] == [512 + 512, 52_224 + 4_096, 3_600_384 + 4_096]
+    for fine, coarse in zip(plain.stages, rounded.stages):
+        assert coarse.out_bytes >= fine.out_bytes and coarse.saved_bytes >= fine.saved_bytes
+        assert coarse.param_bytes >= fine.param_bytes
+    peaks = [simulate(chain, store_all_schedule(chain.length)).peak_bytes for chain in (plain, rounded)]
+    assert peaks[1] > peaks[0]
+
+
+def test_the_spec_gives_the_throughput_and_the_device_label():
+    plain, _ = estimate(throughput=1e12)
+    fp32, _ = estimate(device_spec=H100)
+    bf16, _ = estimate(torch.bfloat16, device_spec=H100)
+    assert fp32.device == "h100-80gb (estimated at 6.7e+13 FLOP/s)"
+    assert bf16.device == "h100-80gb (estimated at 9.9e+14 FLOP/s)"  # a bf16 model: the tensor-core peak
+    assert fp32.compute_time == pytest.approx(plain.compute_time * 1e12 / H100.fp32_flops)
+    assert bf16.compute_time == pytest.approx(plain.compute_time * 1e12 / H100.bf16_flops)
+
+
+def test_a_cpu_spec_counts_storages_as_they_are():
+    cpu = DeviceSpec("my-cpu", 2**34, 1e12, 1e12, 1e11, 1e10, 1e10, allocator="cpu")
+    assert sizes(estimate(device_spec=cpu)[0]) == sizes(estimate()[0])
+
+
+def test_a_spec_is_for_estimates_alone():
+    stages, x = odd_model()
+    raises_one_line(profile_chain, stages, x, device_spec=H100)
+    _, (stages, x) = build_fake(odd_model)
+    message = raises_one_line(profile_chain, stages, x, estimate=True, throughput=1e12, device_spec=H100)
+    assert "--throughput" in message and "--device-spec" in message and "not both" in message
+
+
+def test_profile_estimate_for_a_device_spec(tmp_path, capsys):
+    output = tmp_path / "chain.json"
+    status, out, err = run(capsys, "profile", GPT, "-o", str(output), "--estimate", "--device-spec", "l4")
+    assert status == 0, err
+    chain = load_chain(output)
+    assert chain.device == "l4 (estimated at 3.03e+13 FLOP/s)" and "on l4 (estimated" in out
+    assert any(stage.options for stage in chain.stages)  # the options too (--options 4 by default)
+    assert all(size % MIN_BLOCK == 0 for size in sizes(chain)) and chain.input_bytes == 512
+    spec = tmp_path / "gpu.json"
+    spec.write_text(json.dumps(dict(device_spec("a100-40gb").to_dict(), name="mine", fp32_flops=2e13)))
+    assert cli.main(["profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), "--estimate",
+                     "--device-spec", str(spec)]) == 0
+    assert load_chain(output).device == "mine (estimated at 2e+13 FLOP/s)"
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    pytest.param(["--device-spec", "l4"], ("--device-spec", "give it with --estimate"), id="without-estimate"),
+    pytest.param(["--estimate", "--device-spec", "h100"], ("'h100'", "h100-80gb", "memsched.device/1"),
+                 id="unknown-name"),
+    pytest.param(["--estimate", "--graph", "--device-spec", "l4"], ("--device-spec", "chain profiles"), id="graph"),
+    pytest.param(["--estimate", "--throughput", "1e12", "--device-spec", "l4"], ("not both",), id="throughput"),
+])
+def test_profile_refuses_a_device_spec_it_cannot_use(tmp_path, capsys, flags, fragments):
+    output = tmp_path / "chain.json"
+    one_error_line(*run(capsys, "profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), *flags), *fragments)
+    assert not output.exists()
