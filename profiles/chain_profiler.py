@@ -6,7 +6,9 @@
 forward, no-grad and backward temporaries, ``param_bytes`` and the times; memory from one run under the
 live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separate runs without it. With
 ``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (profiles/fake_build.py):
-sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput. The model is
+sizes are then exact and allocate nothing, and times are estimated per operation from ``rates``
+(:class:`planner.rates.Rates`: a roofline of FLOP/s and memory bandwidth and a cost per operation,
+profiles/roofline.py), or FLOPs divided by ``throughput`` when no rates are given. The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
 (``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
 ``options=N`` each distinct stage also gets its stage options (profiles/options.py), measured as it runs them
@@ -35,10 +37,12 @@ from planner.execute.stages import (
     preserved_state,
     quiet_fake_tensor_log,
 )
+from planner.rates import Rates
 from planner.render import seconds_since
 from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
+from profiles.roofline import roofline
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -46,7 +50,7 @@ DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
                   estimate=False, throughput=None, progress=None, transfer=None, options=0, say=None,
-                  check=None, share_identical=True) -> Chain:
+                  check=None, share_identical=True, rates=None) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
@@ -61,6 +65,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     till then each distinct stage's input is kept. A stage identical to an
     earlier one (:func:`profiles.identical.stage_key`; none with
     ``share_identical=False``) gets its figures and options, measured once.
+    An estimate's times are per operation at ``rates`` (:class:`planner.rates.Rates`), else FLOPs / ``throughput``.
     """
     pairs, say = named_stages(stages), say or (lambda line: None)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -75,7 +80,8 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
                      for stage_name, module in pairs]
             inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     device = device or _device_of(inputs)
-    runner = _Runner(device, warmup, repeats, fake_mode, throughput or DEFAULT_THROUGHPUT)
+    rates = _estimate_rates(throughput, rates)
+    runner = _Runner(device, warmup, repeats, fake_mode, rates)
     modules = [module for _, module in pairs]
     with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
@@ -110,7 +116,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         last = _guarded(len(pairs) - 1, pairs[-1][0], pairs[-1][1], extra, runner.ran)
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
         say(f"loss: measured in {seconds_since(started)}")
-        label = f"{device} (estimated at {throughput or DEFAULT_THROUGHPUT:.3g} FLOP/s)" if fake_mode else str(device)
+        label = f"{device} (estimated at {rates.describe()})" if fake_mode else str(device)
         if transfer is None and fake_mode is None:
             transfer = measure_transfer(device)
         chain = Chain(name=name, device=label, input_bytes=storage_bytes(resident), stages=tuple(profiled), loss=loss,
@@ -132,6 +138,14 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
 
 def _tensors(tree) -> list:
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _estimate_rates(throughput, rates) -> Rates:
+    """The rates an estimate assumes: ``rates``, else ``throughput`` FLOP/s alone (default
+    :data:`DEFAULT_THROUGHPUT`)."""
+    if rates is not None and throughput is not None:
+        raise MemschedError("give an estimate's throughput or its rates, not both (rates hold their FLOP/s)")
+    return rates or Rates(throughput or DEFAULT_THROUGHPUT)
 
 
 def _fake_mode(pairs, inputs):
@@ -163,11 +177,11 @@ def _parameter_owners(modules) -> list:
 class _Runner:
     """Runs one stage (or the loss) for memory, then for time."""
 
-    def __init__(self, device, warmup, repeats, fake_mode, throughput):
+    def __init__(self, device, warmup, repeats, fake_mode, rates):
         self.device = torch.device(device)
         self.fake = fake_mode is not None
         self.warmup, self.repeats = (0, 1) if self.fake else (warmup, repeats)  # FLOPs: the same on every run
-        self.throughput = throughput
+        self.rates = rates
         self.ran = set()  # the stages that ran once without failing (a later failure: not repeatable)
 
     def stage(self, k, stage_name, module, activation, extra, resident, owned, input_bytes):
@@ -395,13 +409,10 @@ class _Runner:
         return statistics.median(samples)
 
     def _flops_or_time(self, work) -> float:
-        """Seconds of ``work()``: FLOPs / throughput when estimating, CUDA events on a GPU, else a wall clock."""
+        """Seconds of ``work()``: its roofline at the rates when estimating, CUDA events on a GPU, else a wall
+        clock."""
         if self.fake:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            with FlopCounterMode(display=False) as counter:
-                work()
-            return counter.get_total_flops() / self.throughput
+            return roofline(work, self.rates).seconds
         if self.device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)

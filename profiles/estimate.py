@@ -16,11 +16,13 @@ class Estimate(NamedTuple):
     chain: Optional[Chain]
 
 
-def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True) -> Estimate:
+def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True, rates=None) -> Estimate:
     """The :class:`Estimate` of a model SPEC (as for :func:`profiles.spec.load_model`), built on fake tensors:
-    nothing is allocated; the chain's sizes are exact, its times estimated (``with_chain=False``: no chain)."""
+    nothing is allocated; the chain's sizes are exact, its times estimated at ``rates`` (a
+    :class:`planner.rates.Rates`; default: FLOPs at the default throughput) (``with_chain=False``: no chain)."""
     model, _ = load_model(spec, batch=batch, estimate=True)
     parameters = sum(p.numel() for p in trainable_parameters(named_stages(model.stages)))
     chain = None if not with_chain else profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn,
-                                                      name=model.name, estimate=True, warmup=0, repeats=1)
+                                                      name=model.name, estimate=True, warmup=0, repeats=1,
+                                                      rates=rates)
     return Estimate(name=model.name, parameters=parameters, chain=chain)
