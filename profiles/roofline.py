@@ -8,7 +8,8 @@ attention, which that registry lacks, gets the registry's own attention formulas
 and writes: every tensor argument read once, every output written (an in-place operation writes its argument);
 a view (an output aliasing an input, nothing written) costs nothing, not even the fixed cost; ``empty`` writes
 nothing; a lookup (``embedding``, ``index_select``, ``gather``, ``index``) reads at most its output's bytes of its
-source. A tensor's bytes are its elements', at most its storage's (an expanded tensor reads its storage once).
+source. A tensor's bytes are its elements', at most its storage's (an expanded tensor reads its storage once);
+a sparse one's, its indices' and values'.
 """
 
 from typing import NamedTuple
@@ -102,9 +103,12 @@ def operation_bytes(func, args, kwargs, out):
 
 
 def tensor_bytes(tensor) -> int:
-    """Bytes of ``tensor``'s elements, at most those of its storage."""
+    """Bytes of ``tensor``'s elements, at most those of its storage; a sparse (COO) tensor's indices and values;
+    another layout's elements as if dense (it has no one storage)."""
+    if tensor.layout == torch.sparse_coo:
+        return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
     elements = tensor.numel() * tensor.element_size()
-    return min(elements, tensor.untyped_storage().nbytes())
+    return min(elements, tensor.untyped_storage().nbytes()) if tensor.layout == torch.strided else elements
 
 
 def _arguments(schema, args, kwargs):

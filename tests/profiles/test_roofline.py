@@ -58,6 +58,8 @@ def test_bytes_of_known_operations():
     table, ids = torch.randn(500, 8), torch.tensor([1, 2, 3])
     looked_up = 3 * 8 * 4
     assert roofline(lambda: F.embedding(ids, table), FREE)[1] == looked_up + 3 * 8 + looked_up  # rows, ids, out
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 7]]), torch.ones(2, 8), (500, 8), check_invariants=True)
+    assert roofline(lambda: sparse * 2.0, FREE)[1] == 2 * (2 * 8 + 2 * 8 * 4)  # indices and values, read and written
 
 
 def test_seconds_are_the_larger_of_compute_and_memory_plus_the_overhead():
