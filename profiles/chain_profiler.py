@@ -6,8 +6,10 @@
 forward, no-grad and backward temporaries, ``param_bytes`` and the times; memory from one run under the
 live-memory tracker on CPU (CUDA's own statistics on a GPU), timing from separate runs without it. With
 ``estimate=True`` the model and inputs must have been built under one ``FakeTensorMode`` (profiles/fake_build.py):
-sizes are then exact and allocate nothing, and times are FLOPs divided by a stated throughput; for a target
-``device_spec`` (planner/devices.py) the throughput is its peak and every storage counts as the block its
+sizes are then exact and allocate nothing, and times are estimated per operation from ``rates``
+(:class:`planner.rates.Rates`: a roofline of FLOP/s and memory bandwidth and a cost per operation,
+profiles/roofline.py), or FLOPs divided by ``throughput`` when no rates are given; for a target ``device_spec``
+(planner/devices.py) the rates are its peak FLOP/s and memory bandwidth and every storage counts as the block its
 allocator hands out (planner/allocator.py: a CUDA estimate is in allocated bytes). The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
 (``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
@@ -38,10 +40,12 @@ from planner.execute.stages import (
     preserved_state,
     quiet_fake_tensor_log,
 )
+from planner.rates import Rates
 from planner.render import seconds_since
 from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
+from profiles.roofline import roofline
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -49,7 +53,7 @@ DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
                   estimate=False, throughput=None, progress=None, transfer=None, options=0, say=None,
-                  check=None, share_identical=True, device_spec=None) -> Chain:
+                  check=None, share_identical=True, device_spec=None, rates=None) -> Chain:
     """Profile ``stages`` on ``example_inputs`` (a tensor, or ``(input, *extra)``) into a :class:`Chain`.
 
     ``loss_fn(last_output) -> scalar`` (default: the mean of the last output);
@@ -63,15 +67,16 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     as :func:`profiles.options.measure_options` says (``check``: see there);
     till then each distinct stage's input is kept. A stage identical to an
     earlier one (:func:`profiles.identical.stage_key`; none with
-    ``share_identical=False``) gets its figures and options, measured once. ``device_spec``: the device an
-    estimate is for (:func:`_target`), recorded as the chain's ``device``.
+    ``share_identical=False``) gets its figures and options, measured once.
+    An estimate's times are per operation at ``rates`` (:class:`planner.rates.Rates`), else FLOPs / ``throughput``;
+    ``device_spec``: the device an estimate is for (:func:`_target`), recorded as the chain's ``device``.
     """
     pairs, say = named_stages(stages), say or (lambda line: None)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not inputs:
         raise MemschedError("example_inputs is empty: give the first stage's input")
     loss_fn = loss_fn or default_loss
-    throughput, size_of = _target(device_spec, throughput, estimate, [module for _, module in pairs])
+    rates, size_of = _target(device_spec, throughput, rates, estimate, [module for _, module in pairs])
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
     if device is not None:
         device = checked_device(device)
@@ -80,7 +85,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
                      for stage_name, module in pairs]
             inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     device = device or _device_of(inputs)
-    runner = _Runner(device, warmup, repeats, fake_mode, throughput, size_of)
+    runner = _Runner(device, warmup, repeats, fake_mode, rates, size_of)
     modules = [module for _, module in pairs]
     with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
@@ -116,7 +121,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         loss = runner.loss(loss_fn, last, last_input, len(pairs) > 1, activation, profiled[-1].out_bytes)
         say(f"loss: measured in {seconds_since(started)}")
         target = device_spec.name if device_spec else device
-        label = f"{target} (estimated at {throughput:.3g} FLOP/s)" if fake_mode else str(device)
+        label = f"{target} (estimated at {rates.describe()})" if fake_mode else str(device)
         if transfer is None and fake_mode is None:
             transfer = measure_transfer(device)
         chain = Chain(name=name, device=label, input_bytes=runner.bytes(resident), stages=tuple(profiled), loss=loss,
@@ -136,21 +141,24 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     return chain
 
 
-def _target(device_spec, throughput, estimate, modules) -> tuple:
-    """``(FLOP/s, size_of)`` a profile assumes: ``throughput`` (default :data:`DEFAULT_THROUGHPUT`) and storages
-    counted as they are (None); or, for a ``device_spec``, its peak in the model's precision (bf16 when a parameter
-    is bf16 or fp16, else fp32; a model run under autocast keeps fp32 parameters: give its throughput instead) and
-    the bytes its allocator counts for each storage (:func:`planner.allocator.rounding`)."""
+def _target(device_spec, throughput, rates, estimate, modules) -> tuple:
+    """``(Rates, size_of)`` a profile assumes: ``rates``, else ``throughput`` FLOP/s alone (default
+    :data:`DEFAULT_THROUGHPUT`), and storages counted as they are (None); or, for a ``device_spec``, its peak in
+    the model's precision (bf16 when a parameter is bf16 or fp16, else fp32; a model run under autocast keeps fp32
+    parameters: give its rates instead) and memory bandwidth, and the bytes its allocator counts for each storage
+    (:func:`planner.allocator.rounding`)."""
     if device_spec is None:
-        return throughput or DEFAULT_THROUGHPUT, None
+        if rates is not None and throughput is not None:
+            raise MemschedError("give an estimate's throughput or its rates, not both (rates hold their FLOP/s)")
+        return rates or Rates(throughput or DEFAULT_THROUGHPUT), None
     if not estimate:
         raise MemschedError("a device spec is for estimates (estimate=True, --estimate): a measured profile is the "
                             "device's own")
-    if throughput is not None:
+    if throughput is not None or rates is not None:
         raise MemschedError("give a throughput (--throughput) or a device spec (--device-spec), not both: the spec's "
-                            "peak FLOP/s is the throughput")
+                            "peak FLOP/s and bandwidth are the rates")
     low = any(p.dtype in (torch.bfloat16, torch.float16) for module in modules for p in _module_parameters(module))
-    return device_spec.flops(low), rounding(device_spec.allocator)
+    return Rates(device_spec.flops(low), device_spec.memory_bandwidth), rounding(device_spec.allocator)
 
 
 def _tensors(tree) -> list:
@@ -186,12 +194,12 @@ def _parameter_owners(modules) -> list:
 class _Runner:
     """Runs one stage (or the loss) for memory, then for time."""
 
-    def __init__(self, device, warmup, repeats, fake_mode, throughput, size_of=None):
+    def __init__(self, device, warmup, repeats, fake_mode, rates, size_of=None):
         self.device = torch.device(device)
         self.size_of = size_of  # bytes -> the bytes the target's allocator counts (None: as they are)
         self.fake = fake_mode is not None
         self.warmup, self.repeats = (0, 1) if self.fake else (warmup, repeats)  # FLOPs: the same on every run
-        self.throughput = throughput
+        self.rates = rates
         self.ran = set()  # the stages that ran once without failing (a later failure: not repeatable)
 
     def bytes(self, tensors) -> int:
@@ -423,13 +431,10 @@ class _Runner:
         return statistics.median(samples)
 
     def _flops_or_time(self, work) -> float:
-        """Seconds of ``work()``: FLOPs / throughput when estimating, CUDA events on a GPU, else a wall clock."""
+        """Seconds of ``work()``: its roofline at the rates when estimating, CUDA events on a GPU, else a wall
+        clock."""
         if self.fake:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            with FlopCounterMode(display=False) as counter:
-                work()
-            return counter.get_total_flops() / self.throughput
+            return roofline(work, self.rates).seconds
         if self.device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)

@@ -16,13 +16,15 @@ class Estimate(NamedTuple):
     chain: Optional[Chain]
 
 
-def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True, device_spec=None) -> Estimate:
+def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True, device_spec=None,
+                   rates=None) -> Estimate:
     """The :class:`Estimate` of a model SPEC (as for :func:`profiles.spec.load_model`), built on fake tensors:
-    nothing is allocated; the chain's sizes are exact, its times estimated (``with_chain=False``: no chain), for a
-    target ``device_spec`` when given (:func:`profiles.chain_profiler.profile_chain`)."""
+    nothing is allocated; the chain's sizes are exact, its times estimated at ``rates`` (a
+    :class:`planner.rates.Rates`; default: FLOPs at the default throughput), or for a target ``device_spec``
+    (:func:`profiles.chain_profiler.profile_chain`) (``with_chain=False``: no chain)."""
     model, _ = load_model(spec, batch=batch, estimate=True)
     parameters = sum(p.numel() for p in trainable_parameters(named_stages(model.stages)))
     chain = None if not with_chain else profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn,
                                                       name=model.name, estimate=True, warmup=0, repeats=1,
-                                                      device_spec=device_spec)
+                                                      device_spec=device_spec, rates=rates)
     return Estimate(name=model.name, parameters=parameters, chain=chain)

@@ -41,8 +41,8 @@ def measured_peak(model, device="cpu") -> int:
     return peak + storage_bytes(inputs)
 
 
-def measured_step_time(model, device="cpu", warmup=2, repeats=5) -> float:
-    """Median seconds of one step (forward, loss, backward) after ``warmup`` steps."""
+def measured_step_time(model, device="cpu", warmup=2, repeats=5, statistic=statistics.median) -> float:
+    """Median (or another ``statistic``) seconds of one step (forward, loss, backward) after ``warmup`` steps."""
     samples = []
     for run in range(warmup + repeats):
         for parameter in _parameters(model):
@@ -57,4 +57,4 @@ def measured_step_time(model, device="cpu", warmup=2, repeats=5) -> float:
             samples.append(time.perf_counter() - started)
     for parameter in _parameters(model):
         parameter.grad = None
-    return statistics.median(samples)
+    return statistic(samples)
