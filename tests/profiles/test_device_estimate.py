@@ -13,6 +13,7 @@ from checks import one_error_line, raises_one_line, run
 from planner import load_chain, simulate
 from planner.allocator import MIN_BLOCK, allocated_bytes
 from planner.devices import DEVICES, DeviceSpec, device_spec
+from planner.rates import Rates
 from profiles.chain_profiler import profile_chain
 from profiles.fake_build import build_fake
 from solvers.extremes import store_all_schedule
@@ -66,13 +67,14 @@ def test_a_cuda_estimate_counts_the_allocators_blocks():
 
 
 def test_the_spec_gives_the_throughput_and_the_device_label():
-    plain, _ = estimate(throughput=1e12)
     fp32, _ = estimate(device_spec=H100)
     bf16, _ = estimate(torch.bfloat16, device_spec=H100)
-    assert fp32.device == "h100-80gb (estimated at 6.7e+13 FLOP/s)"
-    assert bf16.device == "h100-80gb (estimated at 9.9e+14 FLOP/s)"  # a bf16 model: the tensor-core peak
-    assert fp32.compute_time == pytest.approx(plain.compute_time * 1e12 / H100.fp32_flops)
-    assert bf16.compute_time == pytest.approx(plain.compute_time * 1e12 / H100.bf16_flops)
+    assert fp32.device == "h100-80gb (estimated at 6.7e+13 FLOP/s, 3.35e+12 B/s)"
+    assert bf16.device == "h100-80gb (estimated at 9.9e+14 FLOP/s, 3.35e+12 B/s)"  # a bf16 model: tensor cores
+    # the roofline at the spec's peak and memory bandwidth (profiles/roofline.py)
+    assert fp32.compute_time == estimate(rates=Rates(H100.fp32_flops, H100.memory_bandwidth))[0].compute_time
+    assert bf16.compute_time == estimate(torch.bfloat16,
+                                         rates=Rates(H100.bf16_flops, H100.memory_bandwidth))[0].compute_time
 
 
 def test_a_cpu_spec_counts_storages_as_they_are():
@@ -93,14 +95,14 @@ def test_profile_estimate_for_a_device_spec(tmp_path, capsys):
     status, out, err = run(capsys, "profile", GPT, "-o", str(output), "--estimate", "--device-spec", "l4")
     assert status == 0, err
     chain = load_chain(output)
-    assert chain.device == "l4 (estimated at 3.03e+13 FLOP/s)" and "on l4 (estimated" in out
+    assert chain.device == "l4 (estimated at 3.03e+13 FLOP/s, 3e+11 B/s)" and "on l4 (estimated" in out
     assert any(stage.options for stage in chain.stages)  # the options too (--options 4 by default)
     assert all(size % MIN_BLOCK == 0 for size in sizes(chain)) and chain.input_bytes == 512
     spec = tmp_path / "gpu.json"
     spec.write_text(json.dumps(dict(device_spec("a100-40gb").to_dict(), name="mine", fp32_flops=2e13)))
     assert cli.main(["profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), "--estimate",
                      "--device-spec", str(spec)]) == 0
-    assert load_chain(output).device == "mine (estimated at 2e+13 FLOP/s)"
+    assert load_chain(output).device == "mine (estimated at 2e+13 FLOP/s, 1.56e+12 B/s)"
 
 
 @pytest.mark.parametrize("flags, fragments", [
