@@ -12,6 +12,7 @@ import os
 import sys
 
 import planner.render as render
+import planner.render_memory as render_memory
 import planner.validate as validate
 import solvers
 from planner import check_plan_matches, check_plan_schedules, load_chain, load_plan, save_chain, save_plan, simulate
@@ -22,13 +23,14 @@ from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
 from planner.setup import Run, TrainingSetup, check
 from planner.setup.flags import FIELD_FLAGS, SIZING_FLAGS, setup_from_flags
-from planner.setup.training import OPTIMIZERS, PRECISIONS, device_sizes, parameters_of
+from planner.setup.training import OPTIMIZERS, PRECISIONS
 from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
 from planner.updates import UPDATES
+from profiles.device_plan import memory_report  # torch-free (it loads the estimate for a SPEC)
 from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
-from solvers.budgets import device_budget_report, solve_for_budget, solved_lines, sweep, whole_step_floors
+from solvers.budgets import solve_for_budget, solved_lines, sweep, whole_step_floors
 from solvers.partition import partition
 
 MAX_POINTS = 1000  # pareto budgets: each is three solves
@@ -300,15 +302,21 @@ def _parser() -> argparse.ArgumentParser:
                                    "chain's, if it has one)")
     pareto.add_argument("--plot", metavar="pareto.png", help="save overhead against budget as a PNG")
 
-    memory = commands.add_parser("memory", help="per-device memory of parameters, gradients and optimizer state",
-                                 description="Per-device bytes of parameters, gradients, master copy and optimizer "
-                                             "state for an optimizer, a precision and a ZeRO stage, and the budget "
-                                             "that --device-memory leaves for the step (activations).")
-    memory.add_argument("model", metavar="SPEC|CHAIN.json",
-                        help="a built-in model or path/to/file.py:factory (built on fake tensors: nothing is "
-                             "allocated), or a chain profile (parameters: its param_bytes / 4)")
-    memory.add_argument("--batch", type=_at_least(1), metavar="N", help="SPEC: batch size")
-    _add_setup_arguments(memory)
+    plan = commands.add_parser("plan", aliases=["memory"], help="what fits a device: memory, floor, batch, speed",
+                               description="Per-device bytes of parameters, gradients, master copy and optimizer "
+                                           "state, the budget --device-memory leaves for the step and what sets its "
+                                           "floor; with --device-spec, estimated for that device: fits or not, peak, "
+                                           "step time and samples per second, at --batch N or the fastest (auto).")
+    plan.add_argument("model", metavar="SPEC|CHAIN.json",
+                      help="a built-in model or path/to/file.py:factory (built on fake tensors: nothing is "
+                           "allocated), or a chain profile (parameters: its param_bytes / 4)")
+    plan.add_argument("--batch", type=lambda text: text if text == "auto" else _at_least(1)(text), metavar="N|auto",
+                      help="SPEC: batch size; auto (with --device-spec): of 1, 2, 4..., the most samples/s")
+    plan.add_argument("--device-spec", metavar="NAME|FILE", help=f"SPEC: the target device: {', '.join(DEVICES)} "
+                                                                 "or a memsched.device/1 file (its memory by default)")
+    plan.add_argument("--global-batch", type=_at_least(1), metavar="N", help="--device-spec: samples per optimizer "
+                                                                             "step, micro-batches accumulated")
+    _add_setup_arguments(plan)
 
     partition = commands.add_parser("partition", help="split a chain across pipeline devices (1F1B or GPipe)",
                                     description="The fastest contiguous split of a chain onto --devices pipeline "
@@ -472,7 +480,7 @@ def _solve(args) -> None:
                             "(memsched.graph/1); the chain solvers are exact and fast")
     chain = load_chain(args.chain)
     plan, how = _solved(args, chain)
-    floors = render.floor_lines(whole_step_floors(chain, _setup(args))) if how else []
+    floors = render_memory.floor_lines(whole_step_floors(chain, _setup(args))) if how else []
     _print_saved(solved_lines(plan, args.solver, chain, how) + floors, plan, args.output)
 
 
@@ -563,24 +571,10 @@ def _pareto(args) -> None:
 
 
 def _memory(args) -> None:
-    """``memory SPEC|CHAIN.json``: per-device bytes besides activations, and the step budget a device leaves."""
-    setup = _setup(args)
-    device_memory = None if args.device_memory is None else parse_budget(args.device_memory, what="--device-memory")
-    if args.model.endswith(".json"):  # a SPEC names a .py file or a built-in model
-        if args.batch is not None:
-            raise MemschedError("--batch builds a SPEC; a chain profile has its batch already")
-        chain = load_chain(args.model)
-        parameters = parameters_of(chain)
-        lines = [f"chain      {chain.name}: {parameters} trainable parameters (its param_bytes / 4: fp32 profile)"]
-    else:
-        from profiles.estimate import estimate_chain
-
-        name, parameters, chain = estimate_chain(args.model, args.batch, with_chain=True)
-        lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
-    budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if device_memory is None
-              else device_budget_report(chain, setup, device_memory, parameters))
-    print("\n".join(lines + render.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
-                    + render.floor_lines(whole_step_floors(chain, setup))))
+    """``plan|memory SPEC|CHAIN.json``: profiles/device_plan.py's report, from the flags."""
+    memory = args.device_memory and parse_budget(args.device_memory, what="--device-memory")
+    print("\n".join(memory_report(args.model, _setup(args), memory, args.device_spec and device_spec(args.device_spec),
+                                   args.batch, args.global_batch)))
 
 
 def _partition(args) -> None:
@@ -597,4 +591,4 @@ def _partition(args) -> None:
 
 
 COMMANDS = {"profile": _profile, "train": _train, "demo": _demo, "solve": _solve, "show": _show, "pareto": _pareto,
-             "memory": _memory, "partition": _partition}  # what main runs for each command's name
+             "plan": _memory, "memory": _memory, "partition": _partition}  # what main runs for each command's name

@@ -14,22 +14,26 @@ not, which only the predicted times tell.
 import dataclasses
 from typing import NamedTuple, Optional
 
+from planner import render_memory
+from planner.chain import load_chain
 from planner.errors import MemschedError
 from planner.setup import TrainingSetup
-from planner.setup.training import device_sizes, resident_on_device
-from profiles.estimate import estimate_chain
-from solvers.budgets import solve_for_budget
+from planner.setup.training import device_sizes, parameters_of, resident_on_device
+from planner.units import describe_bytes
+from solvers.budgets import device_budget_report, least_device_memory, solve_for_budget, whole_step_floors
 
 MAX_BATCH = 1 << 16  # the largest micro-batch --batch auto tries
 
 
 class Candidate(NamedTuple):
     """One micro-batch size tried: ``batch`` samples per micro-batch, ``accumulate`` micro-batches per optimizer
-    step, the plan (None when it does not fit, ``why`` saying so), the device's predicted ``peak`` (bytes: the
-    resident state and the plan's step), and the optimizer step's ``seconds`` and ``samples_per_second``."""
+    step, the model's :class:`profiles.estimate.Estimate` at that batch, the plan (None when it does not fit,
+    ``why`` saying so), the device's predicted ``peak`` (bytes: the resident state and the plan's step), and the
+    optimizer step's ``seconds`` and ``samples_per_second``."""
 
     batch: int
     accumulate: int
+    estimate: tuple  # profiles.estimate.Estimate: name, parameters, chain
     plan: Optional[object]
     peak: int = 0
     seconds: float = 0.0
@@ -49,16 +53,19 @@ def candidate(spec: str, batch: int, accumulate: int, device, setup: TrainingSet
               device_memory: int = None) -> Candidate:
     """The :class:`Candidate` of ``spec`` at micro-batch ``batch`` over ``accumulate`` micro-batches on ``device``
     (its memory, or ``device_memory`` bytes when given)."""
-    chain = estimate_chain(spec, batch, device_spec=device).chain
+    from profiles.estimate import estimate_chain  # torch: not for memory_report of a chain profile
+
+    estimate = estimate_chain(spec, batch, device_spec=device)
+    chain = estimate.chain
     batch = batch or dict(chain.measured_on.inputs)["0"].shape[0]  # the model's own: its input's first size
     trained = dataclasses.replace(setup, accumulate=accumulate)
     memory = device.memory_bytes if device_memory is None else device_memory
     try:
         plan, _ = solve_for_budget(chain, "auto", solver, trained, memory)
     except MemschedError as exc:
-        return Candidate(batch, accumulate, None, why=str(exc))
+        return Candidate(batch, accumulate, estimate, None, why=_short(exc, chain, trained))
     seconds = accumulate * plan.predicted.time + update_seconds(chain, trained, device)
-    return Candidate(batch, accumulate, plan, resident_on_device(chain, trained) + plan.predicted.peak_bytes,
+    return Candidate(batch, accumulate, estimate, plan, resident_on_device(chain, trained) + plan.predicted.peak_bytes,
                      seconds, batch * accumulate / seconds)
 
 
@@ -80,14 +87,22 @@ def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, 
                     break
             size *= 2
     if tried[0].plan is None:
-        raise MemschedError(f"{spec} does not fit {device.name} at a micro-batch of {tried[0].batch}: "
-                            f"{tried[0].why}")
+        raise MemschedError(f"{spec} does not fit {device.name} at a micro-batch of {tried[0].batch}: it "
+                            f"{tried[0].why}, the device has {describe_bytes(device_memory or device.memory_bytes)}")
     return tried
 
 
 def best(tried: list) -> Candidate:
     """The candidate with the most samples per second (the smallest batch on a tie)."""
     return max((c for c in tried if c.plan is not None), key=lambda c: (c.samples_per_second, -c.batch))
+
+
+def _short(exc: MemschedError, chain, setup: TrainingSetup) -> str:
+    """Why a candidate does not fit, short: the least device memory its setup needs, else the error."""
+    try:
+        return f"needs {describe_bytes(least_device_memory(chain, setup))} of device memory"
+    except MemschedError:
+        return str(exc)
 
 
 def _accumulation(global_batch, batch) -> int:
@@ -97,3 +112,35 @@ def _accumulation(global_batch, batch) -> int:
     if global_batch % batch:
         raise MemschedError(f"--global-batch {global_batch} is not a multiple of the micro-batch {batch}")
     return global_batch // batch
+
+
+def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, device=None, batch=None,
+                  global_batch: int = None) -> list:
+    """``memsched plan|memory``'s lines for ``model`` (a chain profile's path, or a SPEC estimated on fake
+    tensors) under ``setup``: what is resident per device, the budget ``device_memory`` bytes leave for the step
+    (default: the ``device`` spec's memory) and what sets the floor; with a target ``device``, the micro-batches
+    tried (:func:`plan_for_device`) and the fastest, whose estimate the rest describes."""
+    memory = device_memory or (device and device.memory_bytes)
+    for flag in (["--global-batch"] if global_batch else []) + (["--batch auto"] if batch == "auto" else []):
+        if device is None:
+            raise MemschedError(f"{flag} searches what trains fastest on a device: give --device-spec")
+    tried = None
+    if model.endswith(".json"):  # a SPEC names a .py file or a built-in model
+        if batch is not None or device is not None:
+            raise MemschedError(f"--{'batch' if batch is not None else 'device-spec'} builds a SPEC; a chain profile "
+                                "has its batch and its device already")
+        chain = load_chain(model)
+        parameters = parameters_of(chain)
+        lines = [f"chain      {chain.name}: {parameters} trainable parameters (its param_bytes / 4: fp32 profile)"]
+    else:
+        from profiles.estimate import estimate_chain  # torch: not for a chain profile
+
+        tried = device and plan_for_device(model, device, batch, setup, global_batch=global_batch,
+                                           device_memory=device_memory)
+        name, parameters, chain = best(tried).estimate if tried else estimate_chain(model, batch)
+        lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
+    budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
+              else device_budget_report(chain, setup, memory, parameters))
+    return (lines + render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
+            + render_memory.floor_lines(whole_step_floors(chain, setup))
+            + (["", *render_memory.device_plan_lines(device, tried, best(tried))] if tried else []))

@@ -9,7 +9,7 @@ they quote one figure for one setup.
 import dataclasses
 from typing import NamedTuple, Optional
 
-from planner import render
+from planner import render, render_memory
 from planner.errors import MemschedError
 from planner.setup import TrainingSetup, lower
 from planner.setup.training import (
@@ -93,7 +93,7 @@ def device_budget_report(chain, setup, device_memory: int, parameters: int) -> l
         lines.append(f"note       the estimated chain's param_bytes / 4 count {parameters_of(chain)} parameters "
                      "(not an fp32 model?): the budget below is computed from those")
     budget = activation_budget(chain, setup, device_memory)
-    return lines + render.device_budget_lines(device_memory, budget, store_all_peak(chain, setup.accumulate),
+    return lines + render_memory.device_budget_lines(device_memory, budget, store_all_peak(chain, setup.accumulate),
                                               least_budget(chain, setup))
 
 

@@ -1,0 +1,93 @@
+"""Planning for a device this machine does not have (profiles/device_plan.py, ``memsched plan SPEC --device-spec``):
+the model estimated on fake tensors for the target, solved within what the device leaves, the optimizer step
+timed, and ``--batch auto`` keeping the micro-batch of most samples per second."""
+
+import json
+
+import pytest
+
+from checks import one_error_line, raises_one_line, run
+from planner.devices import DeviceSpec
+from planner.setup import TrainingSetup
+from planner.setup.training import device_sizes
+from planner.units import describe_bytes
+from profiles.device_plan import best, plan_for_device, update_seconds
+from profiles.estimate import estimate_chain
+from solvers.budgets import least_device_memory
+
+MLP = "mlp:layers=3,width=256"
+# A device of 24 MiB: room for a few micro-batches of the MLP, not for 64.
+SMALL = DeviceSpec("small", 24 << 20, 2e12, 1e12, 1e11, 1e10, 1e10, "cuda", "made up for the tests")
+
+
+def test_batch_auto_tries_doubling_micro_batches_until_one_does_not_fit_and_keeps_the_fastest():
+    tried = plan_for_device(MLP, SMALL, "auto")
+    batches = [c.batch for c in tried]
+    assert batches == [2 ** k for k in range(len(batches))] and len(batches) >= 3
+    assert all(c.plan is not None for c in tried[:-1]) and tried[-1].plan is None  # it stopped at the first misfit
+    last = tried[-1]
+    least = least_device_memory(last.estimate.chain, TrainingSetup())
+    assert last.why == f"needs {describe_bytes(least)} of device memory"
+    for c in tried[:-1]:
+        chain = c.estimate.chain
+        assert c.peak <= SMALL.memory_bytes and c.accumulate == 1
+        assert c.seconds == pytest.approx(c.plan.predicted.time + update_seconds(chain, TrainingSetup(), SMALL))
+        assert c.samples_per_second == pytest.approx(c.batch / c.seconds)
+        assert dict(chain.measured_on.inputs)["0"].shape[0] == c.batch  # estimated at that batch
+    chosen = best(tried)
+    assert chosen.samples_per_second == max(c.samples_per_second for c in tried if c.plan is not None)
+
+
+def test_a_global_batch_is_accumulated_over_the_micro_batches():
+    tried = plan_for_device(MLP, SMALL, "auto", global_batch=8)
+    assert [(c.batch, c.accumulate) for c in tried if c.plan is not None][:4] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    for c in tried:
+        if c.plan is not None:
+            update = update_seconds(c.estimate.chain, TrainingSetup(accumulate=c.accumulate), SMALL)
+            assert c.seconds == pytest.approx(c.accumulate * c.plan.predicted.time + update)
+            assert c.plan.accumulate == c.accumulate
+    raises_one_line(plan_for_device, MLP, SMALL, 3, global_batch=8)  # not a multiple
+
+
+def test_an_update_reads_and_writes_the_state_over_the_memory_bandwidth():
+    chain = estimate_chain(MLP, 2).chain
+    sizes = device_sizes(chain, TrainingSetup())  # fp32 Adam: 4 + 4 + 8 bytes per parameter, no master copy
+    moved = 2 * (sizes["params"] + sizes["optimizer"]) + sizes["grads"]
+    assert moved == 28 * sizes["params"] // 4
+    assert update_seconds(chain, TrainingSetup(), SMALL) == moved / SMALL.memory_bandwidth
+
+
+def test_a_model_that_does_not_fit_at_a_micro_batch_of_one_is_one_line():
+    tiny = DeviceSpec("tiny", 2 << 20, 1e12, 1e12, 1e11, 1e10, 1e10)
+    message = raises_one_line(plan_for_device, MLP, tiny, "auto")
+    assert "does not fit tiny at a micro-batch of 1" in message and "of device memory" in message
+
+
+def test_memsched_plan_prints_the_table_and_the_fastest(capsys, tmp_path):
+    spec = tmp_path / "small.json"
+    spec.write_text(json.dumps(SMALL.to_dict()))
+    status, out, err = run(capsys, "plan", MLP, "--device-spec", str(spec), "--batch", "auto")
+    assert status == 0, err
+    tried = plan_for_device(MLP, SMALL, "auto")
+    chosen = best(tried)
+    assert "target     small: 25165824 bytes (24.0 MiB)" in out and "times are estimates" in out
+    assert f"fastest    micro-batch {chosen.batch} x 1: peak {chosen.peak} bytes" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in [[str(c.batch)] for c in tried]]
+    assert [int(row[0]) for row in rows] == [c.batch for c in tried]
+    assert any(line.split()[:1] == [str(tried[-1].batch)] and "does not fit: needs" in line
+               for line in out.splitlines())
+    status, out, err = run(capsys, "memory", MLP, "--device-spec", "l4", "--batch", "4")  # the old name, one batch
+    assert status == 0, err
+    assert "fastest    micro-batch 4 x 1" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", MLP, "--batch", "auto"], ["--batch auto", "--device-spec"]),
+    (["plan", MLP, "--global-batch", "8"], ["--global-batch", "--device-spec"]),
+    (["plan", "examples/example-L24.chain.json", "--device-spec", "l4"], ["--device-spec builds a SPEC"]),
+    (["plan", MLP, "--device-spec", "tpu-v9"], ["no such device", "h100-80gb"]),
+    (["plan", MLP, "--batch", "many"], ["--batch"]),
+])
+def test_plan_refusals_are_one_line(capsys, argv, words):
+    line = one_error_line(*run(capsys, *argv))
+    assert all(word in line for word in words), line
