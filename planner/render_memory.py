@@ -69,7 +69,8 @@ def device_budget_lines(device_memory: int, budget: int, store_all_peak: int, le
 def device_plan_lines(device, tried, chosen) -> list:
     """``memsched plan --device-spec``'s table: per micro-batch tried (profiles/device_plan.py's candidates), the
     micro-batches per optimizer step, whether it fits ``device`` (a :class:`planner.devices.DeviceSpec`), the
-    plan's solver, the device's peak, the optimizer step's seconds and samples per second, then ``chosen``."""
+    plan's solver, the device's peak, the optimizer step's seconds and samples per second, then ``chosen`` (the
+    smallest micro-batch within 1% of the most samples per second)."""
     lines = [f"target     {device.name}: {describe_bytes(device.memory_bytes)}, {device.fp32_flops:.3g} FLOP/s fp32, "
              f"{device.bf16_flops:.3g} bf16, {device.memory_bandwidth:.3g} B/s; times are estimates (a roofline at "
              "the spec's peaks), sizes exact", "",
@@ -80,6 +81,6 @@ def device_plan_lines(device, tried, chosen) -> list:
         else:
             lines.append(f"{c.batch:>7} {c.accumulate:>6} {c.plan.solver:<13} {format_bytes(c.peak):>11} "
                          f"{c.seconds:>11.4g} {c.samples_per_second:>11.4g}")
-    return lines + [f"fastest    micro-batch {chosen.batch} x {chosen.accumulate}: peak {describe_bytes(chosen.peak)} "
+    return lines + [f"chosen     micro-batch {chosen.batch} x {chosen.accumulate}: peak {describe_bytes(chosen.peak)} "
                     f"of {describe_bytes(device.memory_bytes)}, {chosen.seconds:.4g} s per optimizer step, "
                     f"{chosen.samples_per_second:.4g} samples/s (estimated)"]

@@ -8,7 +8,8 @@ micro-batches of the plan, then the optimizer's update, timed as the bytes it re
 memory bandwidth (an update is memory-bound: :func:`update_seconds`). ``batch="auto"`` tries micro-batches of 1,
 2, 4, ... until one does not fit, each at ``global_batch / micro-batch`` micro-batches when a global batch is
 given, and keeps the most samples per second: a larger batch that recomputes can beat a smaller one that does
-not, which only the predicted times tell.
+not, which only the predicted times tell. It stops early once two doublings in a row gain less than 1% each, and
+keeps the smallest micro-batch within 1% of the most (a larger one buys almost nothing for its memory).
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ from planner.units import describe_bytes
 from solvers.budgets import device_budget_report, least_device_memory, solve_for_budget, whole_step_floors
 
 MAX_BATCH = 1 << 16  # the largest micro-batch --batch auto tries
+FLAT = 0.01  # a doubling that gains less than this fraction of samples/s gains nothing worth its memory
 
 
 class Candidate(NamedTuple):
@@ -83,7 +85,7 @@ def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, 
             if global_batch is None or global_batch % size == 0:
                 tried.append(candidate(spec, size, _accumulation(global_batch, size), device, setup, solver,
                                        device_memory))
-                if tried[-1].plan is None:
+                if tried[-1].plan is None or _saturated(tried):
                     break
             size *= 2
     if tried[0].plan is None:
@@ -93,8 +95,16 @@ def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, 
 
 
 def best(tried: list) -> Candidate:
-    """The candidate with the most samples per second (the smallest batch on a tie)."""
-    return max((c for c in tried if c.plan is not None), key=lambda c: (c.samples_per_second, -c.batch))
+    """The smallest micro-batch within :data:`FLAT` of the most samples per second among those that fit."""
+    fits = [c for c in tried if c.plan is not None]
+    most = max(c.samples_per_second for c in fits)
+    return min((c for c in fits if c.samples_per_second >= (1 - FLAT) * most), key=lambda c: c.batch)
+
+
+def _saturated(tried: list) -> bool:
+    """True when each of the last two doublings gained less than :data:`FLAT` of samples per second."""
+    rates = [c.samples_per_second for c in tried[-3:]]
+    return len(rates) == 3 and all(later < (1 + FLAT) * earlier for earlier, later in zip(rates, rates[1:]))
 
 
 def _short(exc: MemschedError, chain, setup: TrainingSetup) -> str:
