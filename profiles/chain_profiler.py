@@ -10,7 +10,8 @@ sizes are then exact and allocate nothing, and times are estimated per operation
 (:class:`planner.rates.Rates`: a roofline of FLOP/s and memory bandwidth and a cost per operation,
 profiles/roofline.py), or FLOPs divided by ``throughput`` when no rates are given; for a target ``device_spec``
 (planner/devices.py) the rates are its peak FLOP/s and memory bandwidth and every storage counts as the block its
-allocator hands out (planner/allocator.py: a CUDA estimate is in allocated bytes). The model is
+allocator hands out (planner/allocator.py: a CUDA estimate is in allocated bytes), a CUDA kernel's outputs
+resized where they differ from the CPU kernel's (profiles/cuda_kernels.py). The model is
 left as it was (buffers and random number generators restored). The chain records what it was measured on
 (``measured_on``), which the executors check; identical stages (profiles/identical.py) are measured once. With
 ``options=N`` each distinct stage also gets its stage options (profiles/options.py), measured as it runs them
@@ -42,6 +43,7 @@ from planner.execute.stages import (
 )
 from planner.rates import Rates
 from planner.render import seconds_since
+from profiles.cuda_kernels import CudaKernelShapes
 from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
@@ -87,7 +89,9 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     device = device or _device_of(inputs)
     runner = _Runner(device, warmup, repeats, fake_mode, rates, size_of)
     modules = [module for _, module in pairs]
-    with (fake_mode or contextlib.nullcontext()), preserved_state(modules, device), quiet_fake_tensor_log():
+    kernels = CudaKernelShapes() if device_spec is not None and device_spec.allocator == "cuda" else None
+    with (fake_mode or contextlib.nullcontext()), (kernels or contextlib.nullcontext()), \
+            preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
         for module in modules:  # gradients are made from None, as in a step (the caller's come back after)
             for parameter in _module_parameters(module):
