@@ -92,6 +92,14 @@ def test_memsched_plan_prints_the_table_and_the_fastest(capsys, tmp_path):
     assert "chosen     micro-batch 4 x 1" in out
 
 
+def test_memsched_plan_for_this_cpu_measures_its_rates(capsys):
+    status, out, err = run(capsys, "plan", MLP, "--device-spec", "cpu", "--device-memory", "24MiB", "--batch", "4")
+    assert status == 0, err
+    target = next(line for line in out.splitlines() if line.startswith("target"))
+    assert target.startswith("target     this-cpu: 25165824 bytes (24.0 MiB), ") and " s/op; times are" in target
+    assert "chosen     micro-batch 4 x 1" in out
+
+
 @pytest.mark.parametrize("argv, words", [
     (["plan", MLP, "--batch", "auto"], ["--batch auto", "--device-spec"]),
     (["plan", MLP, "--global-batch", "8"], ["--global-batch", "--device-spec"]),
