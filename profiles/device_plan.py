@@ -10,6 +10,7 @@ memory bandwidth (an update is memory-bound: :func:`update_seconds`). ``batch="a
 given, and keeps the most samples per second: a larger batch that recomputes can beat a smaller one that does
 not, which only the predicted times tell. It stops early once two doublings in a row gain less than 1% each, and
 keeps the smallest micro-batch within 1% of the most (a larger one buys almost nothing for its memory).
+:func:`target_device` reads ``--device-spec``: a built-in name, a file, or "cpu", this machine measured.
 """
 
 import dataclasses
