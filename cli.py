@@ -27,7 +27,7 @@ from planner.setup.training import OPTIMIZERS, PRECISIONS
 from planner.transfer import channel_from
 from planner.units import parse_bandwidth, parse_budget
 from planner.updates import UPDATES
-from profiles.device_plan import memory_report  # torch-free (it loads the estimate for a SPEC)
+from profiles.device_plan import memory_report, target_device  # torch-free (it loads the estimate for a SPEC)
 from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES, solve_graph, store_all_graph_peak
 from solvers.budgets import solve_for_budget, solved_lines, sweep, whole_step_floors
@@ -312,8 +312,8 @@ def _parser() -> argparse.ArgumentParser:
                            "allocated), or a chain profile (parameters: its param_bytes / 4)")
     plan.add_argument("--batch", type=lambda text: text if text == "auto" else _at_least(1)(text), metavar="N|auto",
                       help="SPEC: batch size; auto (with --device-spec): of 1, 2, 4..., the most samples/s")
-    plan.add_argument("--device-spec", metavar="NAME|FILE", help=f"SPEC: the target device: {', '.join(DEVICES)} "
-                                                                 "or a memsched.device/1 file (its memory by default)")
+    plan.add_argument("--device-spec", metavar="NAME|FILE", help=f"SPEC: the target device: {', '.join(DEVICES)}, "
+                                                                 "cpu (this one, measured) or a memsched.device/1 file")
     plan.add_argument("--global-batch", type=_at_least(1), metavar="N", help="--device-spec: samples per optimizer "
                                                                              "step, micro-batches accumulated")
     _add_setup_arguments(plan)
@@ -573,8 +573,8 @@ def _pareto(args) -> None:
 def _memory(args) -> None:
     """``plan|memory SPEC|CHAIN.json``: profiles/device_plan.py's report, from the flags."""
     memory = args.device_memory and parse_budget(args.device_memory, what="--device-memory")
-    print("\n".join(memory_report(args.model, _setup(args), memory, args.device_spec and device_spec(args.device_spec),
-                                   args.batch, args.global_batch)))
+    target = args.device_spec and target_device(args.device_spec, memory)  # "cpu": this one, measured
+    print("\n".join(memory_report(args.model, _setup(args), memory, target, args.batch, args.global_batch)))
 
 
 def _partition(args) -> None:

@@ -2,12 +2,14 @@
 
 A spec says what a plan for a device you may not have needs to know of it: its memory (bytes), its peak dense
 throughput in bf16 on tensor cores and in plain fp32 (FLOP/s), its memory bandwidth and its host link, each
-way (bytes/s), and its allocator (``"cuda"``: planner/allocator.py rounds every block as PyTorch's caching
-allocator does; ``"cpu"``: bytes as they are). The built-in figures are the vendors' data sheets', dense (half
-the "with sparsity" tensor-core figures), each spec naming its source. Memory is the board's, the data sheets'
-"GB" read as GiB (an A100 80GB reports 81920 MiB; a board may report somewhat less, ECC or reserved memory
-taken); what one process can allocate is less again (the CUDA context and the driver take some). A file is
-``memsched.device/1`` (docs/formats.md, "Device specs").
+way (bytes/s), its allocator (``"cuda"``: planner/allocator.py rounds every block as PyTorch's caching
+allocator does; ``"cpu"``: bytes as they are) and, optionally, a fixed cost per operation (seconds: a launch,
+the framework's dispatch; 0 for the built-in GPUs, whose data sheets give none, so that a small model's estimate,
+launch-bound on a real GPU, is faster than its real step). The built-in figures are the vendors' data sheets',
+dense (half the "with sparsity" tensor-core figures), each spec naming its source. Memory is the board's, the
+data sheets' "GB" read as GiB (an A100 80GB reports 81920 MiB; a board may report somewhat less, ECC or reserved
+memory taken); what one process can allocate is less again (the CUDA context and the driver take some). A file
+is ``memsched.device/1`` (docs/formats.md, "Device specs").
 """
 
 import math
@@ -17,6 +19,7 @@ from pathlib import Path
 import planner.validate as validate
 from planner.errors import MemschedError
 from planner.jsonio import read_json
+from planner.rates import Rates
 from planner.transfer import Transfer
 from planner.units import parse_bandwidth, parse_budget
 
@@ -24,7 +27,7 @@ DEVICE_FORMAT = "memsched.device/1"
 ALLOCATORS = ("cuda", "cpu")
 MIN_MEMORY = 1 << 20  # bytes: a device smaller than 1 MiB holds no model
 _FIELDS = ("format", "name", "memory_bytes", "bf16_flops", "fp32_flops", "memory_bandwidth", "d2h_bandwidth",
-           "h2d_bandwidth", "allocator", "source")
+           "h2d_bandwidth", "allocator", "source", "op_overhead_s")
 GIB, TERA, GIGA = 1 << 30, 1e12, 1e9
 
 
@@ -32,7 +35,8 @@ GIB, TERA, GIGA = 1 << 30, 1e12, 1e9
 class DeviceSpec:
     """One device: ``memory_bytes`` (bytes), ``bf16_flops`` and ``fp32_flops`` (peak dense FLOP/s),
     ``memory_bandwidth``, ``d2h_bandwidth`` and ``h2d_bandwidth`` (bytes/s), ``allocator`` ("cuda" or "cpu")
-    and ``source`` (where the figures come from)."""
+    ``source`` (where the figures come from) and ``op_overhead_s`` (seconds every operation costs on top of the
+    roofline; 0: none)."""
 
     name: str
     memory_bytes: int
@@ -43,10 +47,16 @@ class DeviceSpec:
     h2d_bandwidth: float
     allocator: str = "cuda"
     source: str = ""
+    op_overhead_s: float = 0.0
 
     def flops(self, low_precision: bool) -> float:
         """Peak FLOP/s of a model computing in bf16 or fp16 (``low_precision``: tensor cores) or else in fp32."""
         return self.bf16_flops if low_precision else self.fp32_flops
+
+    def rates(self, low_precision: bool) -> Rates:
+        """The :class:`Rates` an estimate of a model in bf16 or fp16 (``low_precision``) or else fp32 assumes: the
+        peak FLOP/s, the memory bandwidth and the cost per operation."""
+        return Rates(self.flops(low_precision), self.memory_bandwidth, self.op_overhead_s)
 
     def transfer(self) -> Transfer:
         """The host link as a copy channel (planner/transfer.py): the data sheet's peak each way, no latency; a
@@ -128,7 +138,8 @@ def device_from_dict(data: dict, where: str) -> DeviceSpec:
         memory_bandwidth=_rate(validate.require(data, "memory_bandwidth", where), field("memory_bandwidth")),
         d2h_bandwidth=_rate(validate.require(data, "d2h_bandwidth", where), field("d2h_bandwidth")),
         h2d_bandwidth=_rate(validate.require(data, "h2d_bandwidth", where), field("h2d_bandwidth")),
-        allocator=allocator, source=validate.text(data.get("source", ""), field("source")))
+        allocator=allocator, source=validate.text(data.get("source", ""), field("source")),
+        op_overhead_s=_overhead(data.get("op_overhead_s", 0.0), field("op_overhead_s")))
 
 
 def _memory(value, where: str) -> int:
@@ -156,3 +167,15 @@ def _rate(value, where: str) -> float:
     if isinstance(value, str):
         return parse_bandwidth(value, where)
     return validate.bandwidth(value, where)
+
+
+def _overhead(value, where: str) -> float:
+    """Seconds per operation: a number, 0 or more, under a second (a kernel launch is microseconds)."""
+    if isinstance(value, str):
+        raise MemschedError(f"{where} must be a number of seconds per operation (e.g. 5e-06), got the string "
+                            f"{value!r}")
+    value = validate.non_negative_seconds(value, where)
+    if value >= 1:
+        raise MemschedError(f"{where} = {value:g} seconds per operation is no device's (a launch takes "
+                            "microseconds): give seconds, e.g. 5e-06")
+    return value

@@ -72,8 +72,9 @@ def device_plan_lines(device, tried, chosen) -> list:
     plan's solver, the device's peak, the optimizer step's seconds and samples per second, then ``chosen`` (the
     smallest micro-batch within 1% of the most samples per second)."""
     lines = [f"target     {device.name}: {describe_bytes(device.memory_bytes)}, {device.fp32_flops:.3g} FLOP/s fp32, "
-             f"{device.bf16_flops:.3g} bf16, {device.memory_bandwidth:.3g} B/s; times are estimates (a roofline at "
-             "the spec's peaks), sizes exact", "",
+             f"{device.bf16_flops:.3g} bf16, {device.memory_bandwidth:.3g} B/s"
+             + (f", {device.op_overhead_s:.3g} s/op" if device.op_overhead_s else "")
+             + "; times are estimates (a roofline at the spec's peaks), sizes exact", "",
              f"{'batch':>7} {'micro':>6} {'solver':<13} {'peak':>11} {'step s':>11} {'samples/s':>11}"]
     for c in tried:
         if c.plan is None:

@@ -149,8 +149,8 @@ def _target(device_spec, throughput, rates, estimate, modules) -> tuple:
     """``(Rates, size_of)`` a profile assumes: ``rates``, else ``throughput`` FLOP/s alone (default
     :data:`DEFAULT_THROUGHPUT`), and storages counted as they are (None); or, for a ``device_spec``, its peak in
     the model's precision (bf16 when a parameter is bf16 or fp16, else fp32; a model run under autocast keeps fp32
-    parameters: give its rates instead) and memory bandwidth, and the bytes its allocator counts for each storage
-    (:func:`planner.allocator.rounding`)."""
+    parameters: give its rates instead), memory bandwidth and cost per operation (:meth:`DeviceSpec.rates`), and the
+    bytes its allocator counts for each storage (:func:`planner.allocator.rounding`)."""
     if device_spec is None:
         if rates is not None and throughput is not None:
             raise MemschedError("give an estimate's throughput or its rates, not both (rates hold their FLOP/s)")
@@ -162,7 +162,7 @@ def _target(device_spec, throughput, rates, estimate, modules) -> tuple:
         raise MemschedError("give a throughput (--throughput) or a device spec (--device-spec), not both: the spec's "
                             "peak FLOP/s and bandwidth are the rates")
     low = any(p.dtype in (torch.bfloat16, torch.float16) for module in modules for p in _module_parameters(module))
-    return Rates(device_spec.flops(low), device_spec.memory_bandwidth), rounding(device_spec.allocator)
+    return device_spec.rates(low), rounding(device_spec.allocator)
 
 
 def _tensors(tree) -> list:

@@ -4,7 +4,8 @@ cost of one operation in an eager training step (a forward and backward of tiny 
 compute next to nothing, per operation the roofline counts in it). Each is the median of a few timed runs after
 one untimed (or another ``statistic`` of them: ``min``, the least disturbed run on a shared machine), at a given
 thread count (default: torch's). :func:`bare_op_s` is the cost of one operation alone,
-without modules or autograd, for comparison."""
+without modules or autograd, for comparison. :func:`cpu_device_spec` is this CPU as a target device
+(``memsched plan SPEC --device-spec cpu``)."""
 
 import contextlib
 import statistics
@@ -13,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from planner.devices import DeviceSpec
 from planner.rates import Rates
 from profiles.roofline import roofline
 
@@ -28,6 +30,18 @@ def measure_cpu_rates(threads: int = None, repeats: int = 5, statistic=statistic
         with torch.no_grad():
             flops, memory = gemm_flops_per_s(repeats, statistic), stream_bytes_per_s(repeats, statistic)
         return Rates(flops_per_s=flops, bytes_per_s=memory, op_overhead_s=op_overhead_s(repeats, statistic))
+
+
+def cpu_device_spec(memory_bytes: int, threads: int = None, repeats: int = 5) -> DeviceSpec:
+    """This CPU as a :class:`DeviceSpec` named "this-cpu" of ``memory_bytes`` bytes, its rates measured at
+    ``threads`` threads (:func:`measure_cpu_rates`; None: torch's current number): the fp32 FLOP/s for bf16 too
+    (not measured apart), the memory bandwidth, which is the host link too, and the cost per operation; storages
+    counted as they are (allocator "cpu")."""
+    rates = measure_cpu_rates(threads, repeats)
+    count = torch.get_num_threads() if threads is None else threads
+    return DeviceSpec("this-cpu", memory_bytes, rates.flops_per_s, rates.flops_per_s, rates.bytes_per_s,
+                      rates.bytes_per_s, rates.bytes_per_s, "cpu",
+                      f"measured here at {count} threads (profiles/cpu_rates.py)", rates.op_overhead_s)
 
 
 def gemm_flops_per_s(repeats: int = 5, statistic=statistics.median, size: int = GEMM_SIZE) -> float:

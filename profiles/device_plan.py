@@ -10,19 +10,23 @@ memory bandwidth (an update is memory-bound: :func:`update_seconds`). ``batch="a
 given, and keeps the most samples per second: a larger batch that recomputes can beat a smaller one that does
 not, which only the predicted times tell. It stops early once two doublings in a row gain less than 1% each, and
 keeps the smallest micro-batch within 1% of the most (a larger one buys almost nothing for its memory).
+:func:`target_device` reads ``--device-spec``: a built-in name, a file, or "cpu", this machine measured.
 """
 
 import dataclasses
+import os
 from typing import NamedTuple, Optional
 
 from planner import render_memory
 from planner.chain import load_chain
+from planner.devices import device_spec
 from planner.errors import MemschedError
 from planner.setup import TrainingSetup
 from planner.setup.training import device_sizes, parameters_of, resident_on_device
 from planner.units import describe_bytes
 from solvers.budgets import device_budget_report, least_device_memory, solve_for_budget, whole_step_floors
 
+THIS_CPU = "cpu"  # the --device-spec name of this machine's CPU, its rates measured (profiles/cpu_rates.py)
 MAX_BATCH = 1 << 16  # the largest micro-batch --batch auto tries
 FLAT = 0.01  # a doubling that gains less than this fraction of samples/s gains nothing worth its memory
 
@@ -41,6 +45,17 @@ class Candidate(NamedTuple):
     seconds: float = 0.0
     samples_per_second: float = 0.0
     why: str = ""
+
+
+def target_device(name_or_path, memory_bytes: int = None):
+    """The :class:`planner.devices.DeviceSpec` that ``--device-spec`` names: "cpu" is this CPU, its rates measured
+    now (:func:`profiles.cpu_rates.cpu_device_spec`) with ``memory_bytes`` bytes (default: the machine's
+    physical memory); any other name or file is :func:`planner.devices.device_spec`'s."""
+    if str(name_or_path).lower() != THIS_CPU:
+        return device_spec(name_or_path)
+    from profiles.cpu_rates import cpu_device_spec  # torch: measured only when asked for
+
+    return cpu_device_spec(memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def update_seconds(chain, setup: TrainingSetup, device) -> float:

@@ -8,6 +8,7 @@ import pytest
 
 from checks import raises_one_line
 from planner.devices import DEVICE_FORMAT, DEVICES, DeviceSpec, device_spec, load_device_spec
+from planner.rates import Rates
 from planner.transfer import Transfer
 
 GIB = 2**30
@@ -30,6 +31,7 @@ def test_built_in_devices_by_name_with_data_sheet_figures():
         assert spec.source and spec.memory_bytes >= 16 * GIB and spec.bf16_flops > spec.fp32_flops > 1e13
         assert spec.flops(low_precision=True) == spec.bf16_flops and spec.flops(False) == spec.fp32_flops
         assert 1e11 < spec.memory_bandwidth < 1e13 and spec.d2h_bandwidth == spec.h2d_bandwidth <= 64e9
+        assert spec.op_overhead_s == 0  # no data sheet gives one
 
 
 def test_a_device_file_round_trips(tmp_path):
@@ -44,6 +46,20 @@ def test_a_device_file_round_trips(tmp_path):
     del cpu["source"]
     path.write_text(json.dumps(cpu))
     assert device_spec(path).allocator == "cpu" and device_spec(path).memory_bytes == 2**34
+
+
+def test_a_cost_per_operation_is_optional_and_goes_into_the_rates(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(dict(GOOD, op_overhead_s=5e-6)))
+    spec = device_spec(path)
+    assert spec.op_overhead_s == 5e-6
+    assert spec.rates(low_precision=False) == Rates(3e13, 3e11, 5e-6)
+    assert spec.rates(low_precision=True) == Rates(1.2e14, 3e11, 5e-6)
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(spec.to_dict()))
+    assert load_device_spec(again) == spec and spec.to_dict()["op_overhead_s"] == 5e-6
+    path.write_text(json.dumps(GOOD))  # left out: none
+    assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates(False) == Rates(3e13, 3e11)
 
 
 def test_an_unknown_name_lists_the_known_ones():
@@ -85,6 +101,11 @@ def test_a_malformed_file_is_refused(tmp_path, text, fragments):
     pytest.param("memory_bandwidth", 0, ("memory_bandwidth", "bytes per second", "leave it out"), id="bandwidth-zero"),
     pytest.param("d2h_bandwidth", -1e9, ("d2h_bandwidth", "bytes per second"), id="d2h-negative"),
     pytest.param("h2d_bandwidth", "fast", ("h2d_bandwidth", "cannot read 'fast'", "16GB/s"), id="h2d-words"),
+    pytest.param("op_overhead_s", -1e-6, ("op_overhead_s", ">= 0 seconds"), id="overhead-negative"),
+    pytest.param("op_overhead_s", "5us", ("op_overhead_s", "seconds per operation", "5e-06"), id="overhead-words"),
+    pytest.param("op_overhead_s", 2, ("op_overhead_s", "no device's", "5e-06"), id="overhead-seconds"),
+    pytest.param("op_overhead_s", math.inf, ("op_overhead_s", "finite"), id="overhead-infinite"),
+    pytest.param("op_overhead_s", None, ("op_overhead_s", "number of seconds"), id="overhead-null"),
     pytest.param("allocator", "rocm", ("allocator", '"cuda"', '"cpu"', "'rocm'"), id="allocator"),
     pytest.param("name", "  ", ("name is empty", "h100-80gb"), id="name-empty"),
     pytest.param("name", 7, ("name must be a string",), id="name-number"),

@@ -2,6 +2,7 @@
 --device-spec``): every storage counted as the block the CUDA caching allocator hands out (planner/allocator.py),
 the spec's peak FLOP/s as the throughput, its name as the chain's device; bad combinations refused in one line."""
 
+import dataclasses
 import json
 
 import pytest
@@ -75,6 +76,29 @@ def test_the_spec_gives_the_throughput_and_the_device_label():
     assert fp32.compute_time == estimate(rates=Rates(H100.fp32_flops, H100.memory_bandwidth))[0].compute_time
     assert bf16.compute_time == estimate(torch.bfloat16,
                                          rates=Rates(H100.bf16_flops, H100.memory_bandwidth))[0].compute_time
+
+
+def test_a_specs_cost_per_operation_is_in_its_rates_and_its_label():
+    slow = dataclasses.replace(H100, name="slow-h100", op_overhead_s=5e-6)
+    chain, _ = estimate(device_spec=slow)
+    assert chain.device == "slow-h100 (estimated at 6.7e+13 FLOP/s, 3.35e+12 B/s, 5e-06 s/op)"
+    assert chain.compute_time == estimate(rates=Rates(H100.fp32_flops, H100.memory_bandwidth, 5e-6))[0].compute_time
+    assert chain.compute_time > estimate(device_spec=H100)[0].compute_time
+    assert sizes(chain) == sizes(estimate(device_spec=H100)[0])
+
+
+def test_this_cpu_as_a_device_has_its_measured_rates_and_counts_storages_as_they_are():
+    from profiles.cpu_rates import cpu_device_spec
+
+    cpu = cpu_device_spec(2 << 30, repeats=1)
+    assert (cpu.name, cpu.allocator, cpu.memory_bytes) == ("this-cpu", "cpu", 2 << 30)
+    assert cpu.bf16_flops == cpu.fp32_flops and cpu.d2h_bandwidth == cpu.h2d_bandwidth == cpu.memory_bandwidth
+    assert 1e8 < cpu.fp32_flops < 1e14 and 1e8 < cpu.memory_bandwidth < 1e13 and 0 < cpu.op_overhead_s < 1e-3
+    chain, _ = estimate(device_spec=cpu)
+    rates = f"{cpu.fp32_flops:.3g} FLOP/s, {cpu.memory_bandwidth:.3g} B/s, {cpu.op_overhead_s:.3g} s/op"
+    assert chain.device == f"this-cpu (estimated at {rates})"
+    assert sizes(chain) == sizes(estimate()[0])
+    assert chain.compute_time == estimate(rates=cpu.rates(False))[0].compute_time
 
 
 def test_a_cpu_spec_counts_storages_as_they_are():

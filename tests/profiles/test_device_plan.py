@@ -3,15 +3,16 @@ the model estimated on fake tensors for the target, solved within what the devic
 timed, and ``--batch auto`` keeping the micro-batch of most samples per second."""
 
 import json
+import os
 
 import pytest
 
 from checks import one_error_line, raises_one_line, run
-from planner.devices import DeviceSpec
+from planner.devices import DEVICES, DeviceSpec
 from planner.setup import TrainingSetup
 from planner.setup.training import device_sizes
 from planner.units import describe_bytes
-from profiles.device_plan import best, plan_for_device, update_seconds
+from profiles.device_plan import best, plan_for_device, target_device, update_seconds
 from profiles.estimate import estimate_chain
 from solvers.budgets import least_device_memory
 
@@ -90,6 +91,20 @@ def test_memsched_plan_prints_the_table_and_the_fastest(capsys, tmp_path):
     status, out, err = run(capsys, "memory", MLP, "--device-spec", "l4", "--batch", "4")  # the old name, one batch
     assert status == 0, err
     assert "chosen     micro-batch 4 x 1" in out
+
+
+def test_memsched_plan_for_this_cpu_measures_its_rates(capsys):
+    status, out, err = run(capsys, "plan", MLP, "--device-spec", "cpu", "--device-memory", "24MiB", "--batch", "4")
+    assert status == 0, err
+    target = next(line for line in out.splitlines() if line.startswith("target"))
+    assert target.startswith("target     this-cpu: 25165824 bytes (24.0 MiB), ") and " s/op; times are" in target
+    assert "chosen     micro-batch 4 x 1" in out
+
+
+def test_the_cpu_target_has_the_machines_memory_unless_told_and_other_names_are_the_specs():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert target_device("CPU").memory_bytes == physical and target_device("cpu", 1 << 30).memory_bytes == 1 << 30
+    assert target_device("l4") == DEVICES["l4"]
 
 
 @pytest.mark.parametrize("argv, words", [
