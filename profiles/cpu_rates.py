@@ -23,6 +23,8 @@ STREAM_ELEMENTS = 1 << 24  # fp32 elements per tensor: 64 MiB each, beyond any l
 TINY_CALLS = 200  # one-element adds per timed run
 TINY_LAYERS = 32  # Linear(4, 4) + Tanh layers of the tiny training step
 
+THIS_CPU_NAME = "this-cpu"  # the name of this machine's CPU as a device spec
+
 
 def measure_cpu_rates(threads: int = None, repeats: int = 5, statistic=statistics.median) -> Rates:
     """The :class:`Rates` of this CPU at ``threads`` threads (None: torch's current number)."""
@@ -39,7 +41,7 @@ def cpu_device_spec(memory_bytes: int, threads: int = None, repeats: int = 5) ->
     counted as they are (allocator "cpu")."""
     rates = measure_cpu_rates(threads, repeats)
     count = torch.get_num_threads() if threads is None else threads
-    return DeviceSpec("this-cpu", memory_bytes, rates.flops_per_s, rates.flops_per_s, rates.bytes_per_s,
+    return DeviceSpec(THIS_CPU_NAME, memory_bytes, rates.flops_per_s, rates.flops_per_s, rates.bytes_per_s,
                       rates.bytes_per_s, rates.bytes_per_s, "cpu",
                       f"measured here at {count} threads (profiles/cpu_rates.py)", rates.op_overhead_s)
 

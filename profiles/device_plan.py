@@ -144,7 +144,8 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
     """``memsched plan|memory``'s lines for ``model`` (a chain profile's path, or a SPEC estimated on fake
     tensors) under ``setup``: what is resident per device, the budget ``device_memory`` bytes leave for the step
     (default: the ``device`` spec's memory) and what sets the floor; with a target ``device``, the micro-batches
-    tried (:func:`plan_for_device`) and the fastest, whose estimate the rest describes."""
+    tried (:func:`plan_for_device`) and the chosen one, whose estimate the rest describes, and when the device is
+    this machine's, the chosen plan trained on it, measured beside the prediction (profiles/device_check.py)."""
     memory = device_memory or (device and device.memory_bytes)
     for flag in (["--global-batch"] if global_batch else []) + (["--batch auto"] if batch == "auto" else []):
         if device is None:
@@ -166,6 +167,11 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
               else device_budget_report(chain, setup, memory, parameters))
-    return (lines + render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
-            + render_memory.floor_lines(whole_step_floors(chain, setup))
-            + (["", *render_memory.device_plan_lines(device, tried, best(tried))] if tried else []))
+    lines += (render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
+              + render_memory.floor_lines(whole_step_floors(chain, setup)))
+    if not tried:
+        return lines
+    from profiles.device_check import measured_lines, present  # torch: trains on the device when it is here
+
+    return (lines + ["", *render_memory.device_plan_lines(device, tried, best(tried))]
+            + (measured_lines(model, best(tried), device) if present(device) else []))

@@ -4,6 +4,7 @@ timed, and ``--batch auto`` keeping the micro-batch of most samples per second."
 
 import json
 import os
+import re
 
 import pytest
 
@@ -99,6 +100,14 @@ def test_memsched_plan_for_this_cpu_measures_its_rates(capsys):
     target = next(line for line in out.splitlines() if line.startswith("target"))
     assert target.startswith("target     this-cpu: 25165824 bytes (24.0 MiB), ") and " s/op; times are" in target
     assert "chosen     micro-batch 4 x 1" in out
+    # the device is here: the chosen plan trained on it, measured beside the prediction
+    measured = next(line for line in out.splitlines() if line.startswith("measured"))
+    assert measured.startswith("measured   on this CPU, micro-batch 4 x 1, 3 steps: step peak ")
+    ratio = float(re.search(r"predicted \d+ bytes \([^)]*\) \(([\d.]+)\)", measured).group(1))  # peak's
+    assert abs(ratio - 1) < 0.01, measured
+    status, out, err = run(capsys, "plan", MLP, "--device-spec", "l4", "--batch", "4")  # not here: estimated only
+    assert status == 0, err
+    assert "measured   on" not in out
 
 
 def test_the_cpu_target_has_the_machines_memory_unless_told_and_other_names_are_the_specs():
