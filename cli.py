@@ -16,7 +16,7 @@ import planner.render_memory as render_memory
 import planner.validate as validate
 import solvers
 from planner import check_plan_matches, check_plan_schedules, load_chain, load_plan, save_chain, save_plan, simulate
-from planner.devices import DEVICES, device_spec
+from planner.devices import DEVICES
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, load_graph, save_graph
 from planner.jsonio import output_path, read_json
@@ -345,9 +345,9 @@ def _profile(args) -> None:
         raise MemschedError(f"{flag} is what --estimate assumes of the device: give it with --estimate")
     # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
     # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
-    channel, target = _channel(args), args.device_spec and device_spec(args.device_spec)
     for flag in _given(args, "--bandwidth", "--device-spec") if args.graph else ():
         raise MemschedError(f"{flag} is for chain profiles; a graph profile has no copy channel nor device spec")
+    channel, target = _channel(args), args.device_spec and target_device(args.device_spec)  # "cpu": measured
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph)
     if args.graph:
         from profiles.training import profiled_for_training  # the training runtime: not for a chain profile

@@ -140,3 +140,12 @@ def test_profile_refuses_a_device_spec_it_cannot_use(tmp_path, capsys, flags, fr
     output = tmp_path / "chain.json"
     one_error_line(*run(capsys, "profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), *flags), *fragments)
     assert not output.exists()
+
+
+def test_profile_estimate_for_this_cpu_measures_its_rates(tmp_path, capsys):
+    output = tmp_path / "chain.json"
+    status, out, err = run(capsys, "profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), "--estimate",
+                           "--device-spec", "cpu")
+    assert status == 0, err
+    device = load_chain(output).device
+    assert device.startswith("this-cpu (estimated at ") and device.endswith(" s/op)")  # FLOP/s, B/s, s/op measured
