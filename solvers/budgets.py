@@ -205,6 +205,10 @@ def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, devi
     if budget != "auto" or device_memory is None:
         raise MemschedError("--update auto compares whole steps, whose resident state differs by update: give "
                             "--budget auto and --device-memory")
+    if setup.sharded:  # the only update a sharded step takes (planner/setup/rules.py)
+        plan, how = solve_for_budget(chain, budget, solver, dataclasses.replace(setup, update="after"), device_memory,
+                                     **params)
+        return plan, f"{how}; update after, the only one a sharded step takes"
     transfer = params.pop("transfer", None) or chain.transfer
     candidates = [(dataclasses.replace(setup, update=update), {}) for update in ("after", "in-backward")]
     if transfer is not None and transfer.usable:  # the largest stages first: the most state moved per copy

@@ -192,3 +192,11 @@ def test_fit_takes_the_setup_as_one_value():
         with pytest.raises(MemschedError, match=wanted) as caught:
             fit(model, x, "90%", setup=TrainingSetup(accumulate=3), **quick, **given)
         one_line(caught)
+
+
+def test_update_auto_keeps_a_sharded_step_after_the_backward():
+    setup = TrainingSetup(zero=2, dp=2)
+    memory = least_device_memory(LAID_OUT, setup) + (1 << 20)
+    plan, how = solve_for_budget(LAID_OUT, "auto", "auto", setup, memory, update_auto=True, transfer=CHANNEL)
+    assert plan.update == "after" and plan.setup == setup and how.endswith("update after, the only one a sharded "
+                                                                           "step takes")
