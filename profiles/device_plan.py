@@ -1,15 +1,15 @@
 """Will a model fit a device it is not on, and how fast: ``memsched plan SPEC --device-spec NAME [--batch auto]``.
 
 :func:`plan_for_device` estimates the model on fake tensors for the target (profiles/estimate.py: sizes exact,
-each block rounded as the device's allocator does; times estimated from the spec's throughput, clearly an
-estimate), solves its step within what the device leaves beside the setup's resident state
+each block rounded as the device's allocator does; times a roofline at the spec's rates, clearly an estimate),
+solves its step within what the device leaves beside the setup's resident state
 (:func:`solvers.budgets.solve_for_budget`, ``--budget auto``) and predicts the optimizer step: ``accumulate``
 micro-batches of the plan, then the optimizer's update, timed as the bytes it reads and writes over the spec's
 memory bandwidth (an update is memory-bound: :func:`update_seconds`). ``batch="auto"`` tries micro-batches of 1,
-2, 4, ... until one does not fit, each at ``global_batch / micro-batch`` micro-batches when a global batch is
-given, and keeps the most samples per second: a larger batch that recomputes can beat a smaller one that does
-not, which only the predicted times tell. It stops early once two doublings in a row gain less than 1% each, and
-keeps the smallest micro-batch within 1% of the most (a larger one buys almost nothing for its memory).
+2, 4, ... (each at ``global_batch / micro-batch`` micro-batches when a global batch is given) until one does not
+fit or two doublings in a row gain less than 1% of samples per second each, and keeps the smallest micro-batch
+within 1% of the most (:func:`best`; a larger one buys almost nothing for its memory): a larger batch that
+recomputes can beat a smaller one that does not, which only the predicted times tell.
 :func:`target_device` reads ``--device-spec``: a built-in name, a file, or "cpu", this machine measured.
 """
 
@@ -90,7 +90,8 @@ def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, 
                     global_batch: int = None, device_memory: int = None) -> list:
     """The :class:`Candidate` s tried for ``spec`` on ``device``: one at ``batch`` (None: the model's own), or
     for ``batch="auto"`` micro-batches of 1, 2, 4, ... (dividing ``global_batch`` when given) until one does not
-    fit. A one-line error when even the first does not fit, saying what sets the floor."""
+    fit or the samples per second stop growing (:func:`_saturated`). A one-line error when even the first does not
+    fit, saying how much device memory it needs."""
     setup = setup or TrainingSetup()
     if batch != "auto":
         tried = [candidate(spec, batch, _accumulation(global_batch, batch), device, setup, solver, device_memory)]
