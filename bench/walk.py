@@ -2,7 +2,7 @@
 project's files a reader of ``solve`` follows, and how often they go back into one already read.
 
     PYTHONPATH=. python bench/walk.py [--chain FILE]             # this checkout
-    python bench/walk.py --before /tmp/walk-before --after .    # two checkouts, each in a process of its own
+    python bench/walk.py --before ../walk-before --after .    # two checkouts, each in a process of its own
 
 Both on one chain (default: examples/example-L24.chain.json beside this script), ``solve`` called with the
 checkout's spelling: keywords (``update=``, ``host_stages=``, ``accumulate=``, ``weights=``) or ``setup=``.
