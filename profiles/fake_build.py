@@ -1,5 +1,6 @@
 """A model built on fake tensors: its sizes exact, nothing allocated (for estimated profiles, docs/execution.md)."""
 
+import contextlib
 import dataclasses
 
 import torch
@@ -52,9 +53,24 @@ def fake_copies(mode, built):
     return (stages, _fake_tree(mode, built[1]), *built[2:])
 
 
-def _fake_modules(mode, modules) -> None:
-    """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``."""
-    copies = {}  # id(real tensor) -> (real, fake): the real one held, so that its id is not reused meanwhile
+@contextlib.contextmanager
+def faked_in_place(modules, inputs):
+    """Within the block, the parameters and buffers of the live ``modules`` are fake copies in one fresh
+    ``FakeTensorMode`` (shared ones stay shared), and it yields fake copies of ``inputs``; afterwards every module
+    has its own tensors back, untouched: a live model estimated without copying its data."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    replaced = _fake_modules(mode, modules)
+    try:
+        yield _fake_tree(mode, inputs)
+    finally:
+        for table, name, tensor in replaced:
+            table[name] = tensor
+
+
+def _fake_modules(mode, modules) -> list:
+    """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``;
+    ``[(table, name, the real tensor), ...]`` of what was replaced."""
+    copies, replaced = {}, []  # id(real tensor) -> (real, fake): the real one held, so its id is not reused
 
     def fake(tensor):
         if id(tensor) not in copies:
@@ -65,8 +81,10 @@ def _fake_modules(mode, modules) -> None:
         for sub in module.modules():
             for table in (sub._parameters, sub._buffers):
                 for name, tensor in table.items():
-                    if tensor is not None:
+                    if tensor is not None and id(tensor) not in {id(f) for _, f in copies.values()}:
+                        replaced.append((table, name, tensor))
                         table[name] = fake(tensor)
+    return replaced
 
 
 def _fake_tree(mode, tree):

@@ -9,6 +9,7 @@ out.loss.backward(); optimizer.step()``, with ``fitted.parameters()`` and ``fitt
 own; in eval mode or without gradients it is the model itself; Hugging Face's ``Trainer`` takes it as it is.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -19,15 +20,19 @@ import torch
 
 import solvers
 from planner.accumulate import check_accumulate
+from planner.devices import DeviceSpec
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
+from planner.setup.training import activation_budget
 from planner.simulate import micro_batch_peaks
 from planner.units import format_bytes, parse_budget
 from profiles.chain_profiler import profile_chain
 from profiles.cuts import OutputNotReturned
+from profiles.device_plan import target_device
 from profiles.discover import discover, model_loss, returned_loss
+from profiles.fake_build import faked_in_place
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
@@ -39,7 +44,7 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = None, lr: float = 1e-3,
         accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", progress=True,
-        setup: TrainingSetup = None, **options) -> "FittedModel":
+        setup: TrainingSetup = None, device_spec=None, **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     The model's stages are discovered, profiled and solved for as a chain (or, with ``graph=True``, its joint
@@ -50,7 +55,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         example_inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments (as the model
             is called).
         budget: bytes (an int), a string with a unit (``"6GiB"``) or a percentage of the store-all peak
-            (``"50%"``; with ``accumulate``, of the accumulating step's).
+            (``"50%"``; with ``accumulate``, of the accumulating step's); with ``device_spec``, also ``"auto"``:
+            what the device's memory leaves beside the setup's resident state.
         loss_fn: ``loss_fn(output)``, the scalar loss (default: ``output.loss`` when the model returns one, else
             the mean of its output).
         solver: as for ``memsched solve`` (``auto``: store everything when it fits, else the hierarchical solver
@@ -88,6 +94,10 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
             line to it.
         setup: all of the setup's keywords as one :class:`planner.setup.TrainingSetup` (optimizer, update, host
             stages, weights on the host, accumulation), instead of them; which parts mix: planner/setup/rules.py.
+        device_spec: plan for this device (a :class:`planner.devices.DeviceSpec`, or its name or file as
+            ``memsched plan --device-spec`` takes them) instead of measuring on this one: the stages are profiled
+            on fake copies of their tensors (sizes exact, each block as the device's allocator rounds it; times
+            estimated: docs/devices.md), the model's own tensors untouched.
         options: the solver's parameters, and ``update="in-backward"`` (or ``"on-host"``, with a ``transfer``
             channel: planner/updates.py; ``host_stages=``: which stages' update runs on the host): the backward
             also updates the parameters, by ``optimizer`` at ``lr``, freeing each stage's gradients as it goes, and
@@ -117,7 +127,21 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, setup=setup,
                        options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph, autocast=autocast,
-                       returns=returns, say=say)
+                       returns=returns, say=say, device_spec=_target(device_spec, budget, graph))
+
+
+def _target(device_spec, budget, graph: bool):
+    """The :class:`planner.devices.DeviceSpec` :func:`fit` plans for (None: this device, measured), refusing
+    ``budget="auto"`` without one and a graph plan with one in one line."""
+    if device_spec is None:
+        if budget == "auto":
+            raise MemschedError("fit budget 'auto' is what a device's memory leaves: give device_spec= (a "
+                                "planner.devices.DeviceSpec or a name such as 'h100-80gb'), or a budget in bytes")
+        return None
+    if graph:
+        raise MemschedError("fit device_spec= plans a chain of stages on fake tensors; graph=True profiles the joint "
+                            "graph on this device: drop one of them")
+    return device_spec if isinstance(device_spec, DeviceSpec) else target_device(device_spec)
 
 
 def _fit_setup(setup, accumulate, optimizer, options: dict) -> TrainingSetup:
@@ -156,16 +180,18 @@ class FittedModel(torch.nn.Module):
     model's (``model`` is its submodule), and so is any attribute it lacks (``config``)."""
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
-                 stage_options, compile, setup, options, say, graph=False, autocast=None, returns="auto"):
+                 stage_options, compile, setup, options, say, graph=False, autocast=None, returns="auto",
+                 device_spec=None):
         super().__init__()
-        _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
+        if budget != "auto":
+            _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
         check(setup, Run(compile=compile, graph=graph), interface="fit")
         self.model = model
         self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
         self.returns = _returns(returns, setup, graph)
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
-                              setup=setup, options=options, graph=graph)
+                              setup=setup, options=options, graph=graph, device_spec=device_spec)
         self._say = say
         self.replan = replan
         self._plans = []
@@ -197,13 +223,20 @@ class FittedModel(torch.nn.Module):
         def check(so_far, pending):  # the budget against the floor as soon as it is known
             return _refuse_early(staged, held_by_caller(so_far, held), pending, s, say, ordered)
 
-        with self.precision.profiling():
-            chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=s["warmup"],
+        target = s["device_spec"]
+        with self.precision.profiling(), (faked_in_place([module for _, module in staged.stages],
+                                                         staged.example_inputs) if target else
+                                          contextlib.nullcontext(staged.example_inputs)) as inputs:
+            chain = profile_chain(staged.stages, inputs, loss_fn=returned_loss, warmup=s["warmup"],
                                   repeats=s["repeats"], name=staged.name, options=s["stage_options"],
-                                  say=lambda line: say(f"  {line}"), check=check)
+                                  say=lambda line: say(f"  {line}"), check=None if target else check,
+                                  estimate=target is not None, device_spec=target)
         chain = held_by_caller(chain, held)
-        budget = _budget_bytes(s["budget"], chain, s["setup"].accumulate)
-        offer_graph(staged, chain, budget, s["solver"], s["setup"])
+        if s["budget"] == "auto":  # what the target's memory leaves beside the resident state
+            budget = activation_budget(chain, s["setup"], target.memory_bytes)
+        else:
+            budget = _budget_bytes(s["budget"], chain, s["setup"].accumulate)
+            offer_graph(staged, chain, budget, s["solver"], s["setup"])
         say(f"{name}: discovered and profiled in {seconds_since(started)}; solving for {format_bytes(budget)}...")
         solving = time.perf_counter()
         plan = solvers.solve(chain, budget, s["solver"], s["setup"], **options)
