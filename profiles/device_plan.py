@@ -164,7 +164,8 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
 
         tried = device and plan_for_device(model, device, batch, setup, global_batch=global_batch,
                                            device_memory=device_memory)
-        name, parameters, chain = best(tried).estimate if tried else estimate_chain(model, batch)
+        chosen = tried and best(tried)
+        name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
               else device_budget_report(chain, setup, memory, parameters))
@@ -174,5 +175,5 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         return lines
     from profiles.device_check import measured_lines, present  # torch: trains on the device when it is here
 
-    return (lines + ["", *render_memory.device_plan_lines(device, tried, best(tried))]
-            + (measured_lines(model, best(tried), device) if present(device) else []))
+    return (lines + ["", *render_memory.device_plan_lines(device, tried, chosen)]
+            + (measured_lines(model, chosen, device) if present(device) else []))

@@ -70,18 +70,19 @@ def faked_in_place(modules, inputs):
 def _fake_modules(mode, modules) -> list:
     """Each parameter and buffer of ``modules`` (and their submodules) replaced by its fake copy in ``mode``;
     ``[(table, name, the real tensor), ...]`` of what was replaced."""
-    copies, replaced = {}, []  # id(real tensor) -> (real, fake): the real one held, so its id is not reused
+    copies, fakes, replaced = {}, set(), []  # id(real tensor) -> (real, fake): the real one held, its id not reused
 
     def fake(tensor):
         if id(tensor) not in copies:
             copies[id(tensor)] = (tensor, mode.from_tensor(tensor))  # a Parameter's copy is a Parameter
+            fakes.add(id(copies[id(tensor)][1]))
         return copies[id(tensor)][1]
 
     for module in modules:
         for sub in module.modules():
             for table in (sub._parameters, sub._buffers):
                 for name, tensor in table.items():
-                    if tensor is not None and id(tensor) not in {id(f) for _, f in copies.values()}:
+                    if tensor is not None and id(tensor) not in fakes:  # (a submodule reached twice: faked once)
                         replaced.append((table, name, tensor))
                         table[name] = fake(tensor)
     return replaced

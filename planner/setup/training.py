@@ -86,17 +86,20 @@ class TrainingSetup:
 
     def per_fp32_byte(self) -> dict:
         """Per item of :data:`ITEMS`, its bytes per byte of an fp32 parameter, before sharding."""
-        unsharded = dict(_PRECISION_BYTES[self.precision], optimizer=_OPTIMIZER_BYTES[self.optimizer])
-        return {item: unsharded[item] / PROFILE_GRADIENT_BYTES for item in ITEMS}
+        return {item: value / PROFILE_GRADIENT_BYTES for item, value in self._unsharded().items()}
 
     def sizing(self) -> dict:
         """The fields that size the resident state: ``optimizer``, ``precision``, ``zero``, ``dp``."""
         return {"optimizer": self.optimizer, "precision": self.precision, "zero": self.zero, "dp": self.dp}
 
+    def _unsharded(self) -> dict:
+        """Bytes per parameter of each item of :data:`ITEMS` before sharding, as exact fractions."""
+        return dict(_PRECISION_BYTES[self.precision], optimizer=_OPTIMIZER_BYTES[self.optimizer])
+
     def _exact(self) -> dict:
         """Bytes per parameter on one device, after sharding, as exact fractions."""
-        unsharded = dict(_PRECISION_BYTES[self.precision], optimizer=_OPTIMIZER_BYTES[self.optimizer])
-        return {item: unsharded[item] / (self.dp if self.zero >= _SHARDED_FROM[item] else 1) for item in ITEMS}
+        return {item: value / (self.dp if self.zero >= _SHARDED_FROM[item] else 1)
+                for item, value in self._unsharded().items()}
 
     def per_parameter(self) -> dict:
         """Bytes per parameter on one device, after sharding: ``params``, ``grads``, ``master``, ``optimizer``
