@@ -316,6 +316,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                  "cpu (this one, measured) or a memsched.device/1 file")
     plan.add_argument("--global-batch", type=_at_least(1), metavar="N", help="--device-spec: samples per optimizer "
                                                                              "step, micro-batches accumulated")
+    plan.add_argument("--budget", default="auto", help="--device-spec: the step's budget: auto (what the device "
+                                                       "leaves; default) or bytes (4GiB) or a %% of store-all")
     _add_setup_arguments(plan)
 
     partition = commands.add_parser("partition", help="split a chain across pipeline devices (1F1B or GPipe)",
@@ -574,7 +576,8 @@ def _memory(args) -> None:
     """``plan|memory SPEC|CHAIN.json``: profiles/device_plan.py's report, from the flags."""
     memory = args.device_memory and parse_budget(args.device_memory, what="--device-memory")
     target = args.device_spec and target_device(args.device_spec, memory)  # "cpu": this one, measured
-    print("\n".join(memory_report(args.model, _setup(args), memory, target, args.batch, args.global_batch)))
+    print("\n".join(memory_report(args.model, _setup(args), memory, target, args.batch, args.global_batch,
+                                   args.budget)))
 
 
 def _partition(args) -> None:

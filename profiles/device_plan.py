@@ -23,8 +23,8 @@ from planner.devices import device_spec
 from planner.errors import MemschedError
 from planner.setup import TrainingSetup
 from planner.setup.training import device_sizes, parameters_of, resident_on_device
-from planner.units import describe_bytes
-from solvers.budgets import device_budget_report, least_device_memory, solve_for_budget, whole_step_floors
+from planner.units import describe_bytes, parse_budget
+from solvers.budgets import budget_of, device_budget_report, least_device_memory, solve_within, whole_step_floors
 
 THIS_CPU = "cpu"  # the --device-spec name of this machine's CPU, its rates measured (profiles/cpu_rates.py)
 MAX_BATCH = 1 << 16  # the largest micro-batch --batch auto tries
@@ -67,46 +67,73 @@ def update_seconds(chain, setup: TrainingSetup, device) -> float:
 
 
 def candidate(spec: str, batch: int, accumulate: int, device, setup: TrainingSetup, solver: str = "auto",
-              device_memory: int = None) -> Candidate:
+              device_memory: int = None, budget: str = "auto") -> Candidate:
     """The :class:`Candidate` of ``spec`` at micro-batch ``batch`` over ``accumulate`` micro-batches on ``device``
-    (its memory, or ``device_memory`` bytes when given)."""
+    (its memory, or ``device_memory`` bytes when given), the step within ``budget`` (:func:`judged`)."""
     from profiles.estimate import estimate_chain  # torch: not for memory_report of a chain profile
 
     estimate = estimate_chain(spec, batch, device_spec=device)
+    batch = batch or dict(estimate.chain.measured_on.inputs)["0"].shape[0]  # the model's own: its input's first size
+    return judged(estimate, batch, accumulate, device, setup, solver, device_memory, budget)
+
+
+def judged(estimate, batch: int, accumulate: int, device, setup: TrainingSetup, solver: str = "auto",
+           device_memory: int = None, budget: str = "auto", **params) -> Candidate:
+    """The :class:`Candidate` of a model's ``estimate`` (:class:`profiles.estimate.Estimate`, its chain profiled at
+    micro-batch ``batch``) over ``accumulate`` micro-batches on ``device`` (``device_memory`` bytes when given, else
+    its memory), solved within ``budget`` (:func:`_solved`; ``params``, the solver's)."""
     chain = estimate.chain
-    batch = batch or dict(chain.measured_on.inputs)["0"].shape[0]  # the model's own: its input's first size
     trained = dataclasses.replace(setup, accumulate=accumulate)
     memory = device.memory_bytes if device_memory is None else device_memory
     try:
-        plan, _ = solve_for_budget(chain, "auto", solver, trained, memory)
+        plan = _solved(chain, budget, solver, trained, memory, **params)
     except MemschedError as exc:
-        return Candidate(batch, accumulate, estimate, None, why=_short(exc, chain, trained))
+        return Candidate(batch, accumulate, estimate, None,
+                         why=_short(exc, chain, trained) if budget == "auto" else str(exc))
     seconds = accumulate * plan.predicted.time + update_seconds(chain, trained, device)
     return Candidate(batch, accumulate, estimate, plan, resident_on_device(chain, trained) + plan.predicted.peak_bytes,
                      seconds, batch * accumulate / seconds)
 
 
+def _solved(chain, budget: str, solver: str, setup: TrainingSetup, memory: int, **params):
+    """The plan of ``chain``'s step within what ``memory`` bytes leave beside the setup's resident state
+    (``budget="auto"``), or within ``budget`` (bytes, ``"4GiB"``, or a percentage of the store-all step) when that is
+    less."""
+    left, how = budget_of(chain, "auto", setup, memory)
+    cap = left if budget == "auto" else budget_of(chain, budget, setup)[0]
+    return solve_within(chain, min(cap, left), solver, setup, how if left <= cap else None, **params)
+
+
 def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, solver: str = "auto",
-                    global_batch: int = None, device_memory: int = None) -> list:
-    """The :class:`Candidate` s tried for ``spec`` on ``device``: one at ``batch`` (None: the model's own), or
-    for ``batch="auto"`` micro-batches of 1, 2, 4, ... (dividing ``global_batch`` when given) until one does not
-    fit or the samples per second stop growing (:func:`_saturated`). A one-line error when even the first does not
-    fit, saying how much device memory it needs."""
+                    global_batch: int = None, device_memory: int = None, budget: str = "auto") -> list:
+    """The :class:`Candidate` s tried for ``spec`` on ``device`` (:func:`tried_batches`; None: the model's own
+    batch), each step within ``budget``."""
     setup = setup or TrainingSetup()
+    if budget != "auto":
+        parse_budget(budget, 100, what="--budget")  # unreadable is one line before any estimate (a % reads as one)
+    return tried_batches(lambda size, accumulate: candidate(spec, size, accumulate, device, setup, solver,
+                                                            device_memory, budget),
+                         batch, global_batch, spec, device, device_memory)
+
+
+def tried_batches(at, batch, global_batch: int, what: str, device, device_memory: int = None) -> list:
+    """The :class:`Candidate` s ``at(micro-batch, accumulate)`` gives: one at ``batch``, or for ``batch="auto"``
+    micro-batches of 1, 2, 4, ... (dividing ``global_batch`` when given, its quotient the micro-batches
+    accumulated) until one does not fit or the samples per second stop growing (:func:`_saturated`). A one-line
+    error when even the first does not fit ``device``, saying how much device memory ``what`` needs."""
     if batch != "auto":
-        tried = [candidate(spec, batch, _accumulation(global_batch, batch), device, setup, solver, device_memory)]
+        tried = [at(batch, _accumulation(global_batch, batch))]
     else:
         tried, size = [], 1
         while size <= min(MAX_BATCH, global_batch or MAX_BATCH):
             if global_batch is None or global_batch % size == 0:
-                tried.append(candidate(spec, size, _accumulation(global_batch, size), device, setup, solver,
-                                       device_memory))
+                tried.append(at(size, _accumulation(global_batch, size)))
                 if tried[-1].plan is None or _saturated(tried):
                     break
             size *= 2
     if tried[0].plan is None:
-        raise MemschedError(f"{spec} does not fit {device.name} at a micro-batch of {tried[0].batch}: it "
-                            f"{tried[0].why}, the device has {describe_bytes(device_memory or device.memory_bytes)}")
+        raise MemschedError(f"{what} does not fit {device.name} at a micro-batch of {tried[0].batch} ({tried[0].why}); "
+                            f"the device has {describe_bytes(device_memory or device.memory_bytes)}")
     return tried
 
 
@@ -141,16 +168,19 @@ def _accumulation(global_batch, batch) -> int:
 
 
 def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, device=None, batch=None,
-                  global_batch: int = None) -> list:
+                  global_batch: int = None, budget: str = "auto") -> list:
     """``memsched plan|memory``'s lines for ``model`` (a chain profile's path, or a SPEC estimated on fake
     tensors) under ``setup``: what is resident per device, the budget ``device_memory`` bytes leave for the step
     (default: the ``device`` spec's memory) and what sets the floor; with a target ``device``, the micro-batches
     tried (:func:`plan_for_device`) and the chosen one, whose estimate the rest describes, and when the device is
-    this machine's, the chosen plan trained on it, measured beside the prediction (profiles/device_check.py)."""
+    this machine's, the chosen plan trained on it, measured beside the prediction (profiles/device_check.py). Each
+    step is planned within ``budget`` (``"auto"``: what the device leaves; bytes: no more for the step)."""
     memory = device_memory or (device and device.memory_bytes)
-    for flag in (["--global-batch"] if global_batch else []) + (["--batch auto"] if batch == "auto" else []):
+    flags = (["--global-batch"] if global_batch else []) + (["--batch auto"] if batch == "auto" else []) + (
+        [f"--budget {budget}"] if budget != "auto" else [])
+    for flag in flags:
         if device is None:
-            raise MemschedError(f"{flag} searches what trains fastest on a device: give --device-spec")
+            raise MemschedError(f"{flag} plans the step for a device: give --device-spec")
     tried = None
     if model.endswith(".json"):  # a SPEC names a .py file or a built-in model
         if batch is not None or device is not None:
@@ -163,7 +193,7 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         from profiles.estimate import estimate_chain  # torch: not for a chain profile
 
         tried = device and plan_for_device(model, device, batch, setup, global_batch=global_batch,
-                                           device_memory=device_memory)
+                                           device_memory=device_memory, budget=budget)
         chosen = tried and best(tried)
         name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]

@@ -17,21 +17,25 @@ import time
 import types
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 import solvers
 from planner.accumulate import check_accumulate
 from planner.devices import DeviceSpec
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
+from planner.execute.stages import batch_resized, batch_size
 from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
 from planner.setup.training import activation_budget
 from planner.simulate import micro_batch_peaks
 from planner.units import format_bytes, parse_budget
+from profiles import fit_batch
 from profiles.chain_profiler import profile_chain
 from profiles.cuts import OutputNotReturned
 from profiles.device_plan import target_device
 from profiles.discover import discover, model_loss, returned_loss
+from profiles.estimate import Estimate
 from profiles.fake_build import faked_in_place
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.options import DEFAULT_OPTIONS
@@ -44,7 +48,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         replan: bool = False, max_stages: int = None, warmup: int = 1, repeats: int = 3,
         stage_options: int = DEFAULT_OPTIONS, compile: bool = False, optimizer: str = None, lr: float = 1e-3,
         accumulate: int = 1, graph: bool = False, autocast=None, returns: str = "auto", progress=True,
-        setup: TrainingSetup = None, device_spec=None, **options) -> "FittedModel":
+        setup: TrainingSetup = None, device_spec=None, batch=None, global_batch: int = None,
+        **options) -> "FittedModel":
     """``model`` planned to train within ``budget`` on batches laid out as ``example_inputs``.
 
     The model's stages are discovered, profiled and solved for as a chain (or, with ``graph=True``, its joint
@@ -97,7 +102,17 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         device_spec: plan for this device (a :class:`planner.devices.DeviceSpec`, or its name or file as
             ``memsched plan --device-spec`` takes them) instead of measuring on this one: the stages are profiled
             on fake copies of their tensors (sizes exact, each block as the device's allocator rounds it; times
-            estimated: docs/devices.md), the model's own tensors untouched.
+            estimated: docs/devices.md), the model's own tensors untouched; a budget in bytes is held to what the
+            device's memory leaves when that is less.
+        batch: the micro-batch planned for: None, the example's; a size, the example's tensors of its batch size
+            (those whose first size is the first tensor's) given that many rows, cycled from theirs
+            (:func:`planner.execute.stages.batch_resized`); ``"auto"`` (with ``device_spec``), the one that trains
+            fastest there: micro-batches of 1, 2, 4, ... found and profiled on fake tensors, solved within
+            ``budget`` and judged by predicted samples per second, as ``memsched plan --batch auto`` does
+            (profiles/fit_batch.py); ``.searched`` holds the table, ``.micro_batch`` the size chosen. The loop
+            then feeds batches of that size.
+        global_batch: samples per optimizer step: ``global_batch / micro-batch`` micro-batches accumulated
+            (``.accumulate``), instead of ``accumulate``.
         options: the solver's parameters, and ``update="in-backward"`` (or ``"on-host"``, with a ``transfer``
             channel: planner/updates.py; ``host_stages=``: which stages' update runs on the host): the backward
             also updates the parameters, by ``optimizer`` at ``lr``, freeing each stage's gradients as it goes, and
@@ -127,7 +142,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, setup=setup,
                        options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph, autocast=autocast,
-                       returns=returns, say=say, device_spec=_target(device_spec, budget, graph))
+                       returns=returns, say=say, device_spec=_target(device_spec, budget, graph), batch=batch,
+                       global_batch=global_batch)
 
 
 def _target(device_spec, budget, graph: bool):
@@ -181,21 +197,24 @@ class FittedModel(torch.nn.Module):
 
     def __init__(self, model, example_inputs, budget, loss_fn, solver, *, replan, max_stages, warmup, repeats,
                  stage_options, compile, setup, options, say, graph=False, autocast=None, returns="auto",
-                 device_spec=None):
+                 device_spec=None, batch=None, global_batch=None):
         super().__init__()
         if budget != "auto":
             _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
         check(setup, Run(compile=compile, graph=graph), interface="fit")
+        fit_batch.checked(batch, global_batch, setup, device_spec)
         self.model = model
         self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
-        self.returns = _returns(returns, setup, graph)
+        self.returns = _returns(returns, setup, graph, global_batch)
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
                               setup=setup, options=options, graph=graph, device_spec=device_spec)
         self._say = say
         self.replan = replan
         self._plans = []
-        self._current = self._planned(example_inputs)
+        chosen = self._batching(example_inputs, batch, global_batch)
+        self._settings["setup"], self.micro_batch, self.searched = chosen.setup, chosen.size, chosen.searched
+        self._current = self._planned(example_inputs if batch is None else batch_resized(example_inputs, chosen.size))
         # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
         self.forward = types.MethodType(_forward_as(model), self)
 
@@ -232,10 +251,11 @@ class FittedModel(torch.nn.Module):
                                   say=lambda line: say(f"  {line}"), check=None if target else check,
                                   estimate=target is not None, device_spec=target)
         chain = held_by_caller(chain, held)
-        if s["budget"] == "auto":  # what the target's memory leaves beside the resident state
-            budget = activation_budget(chain, s["setup"], target.memory_bytes)
+        budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"].accumulate)
+        if target:  # never more than the target's memory leaves beside the resident state
+            left = activation_budget(chain, s["setup"], target.memory_bytes)
+            budget = left if budget is None else min(budget, left)
         else:
-            budget = _budget_bytes(s["budget"], chain, s["setup"].accumulate)
             offer_graph(staged, chain, budget, s["solver"], s["setup"])
         say(f"{name}: discovered and profiled in {seconds_since(started)}; solving for {format_bytes(budget)}...")
         solving = time.perf_counter()
@@ -248,6 +268,33 @@ class FittedModel(torch.nn.Module):
         planned = _Planned(discovery, chain, plan, run, _modes(self.model))
         self._plans.append(planned)
         return planned
+
+    def _batching(self, example_inputs, batch, global_batch) -> fit_batch.Batching:
+        """The micro-batch and setup planned for (profiles/fit_batch.py), ``batch="auto"`` searched on fake tensors
+        (:meth:`_estimate_at`)."""
+        s = self._settings
+        params = {key: value for key, value in s["options"].items() if key not in ("optimizer", "lr")}
+        example = None if batch is not None or global_batch is None else batch_size(
+            tree_flatten(example_inputs)[0], "fit global_batch= divides")  # only read when it is needed
+        return fit_batch.batching(example, batch, global_batch, s["setup"],
+                                  functools.partial(self._estimate_at, example_inputs), s["device_spec"],
+                                  s["budget"], s["solver"], type(self.model).__name__, self._say, **params)
+
+    def _estimate_at(self, example_inputs, size: int) -> Estimate:
+        """The model's :class:`profiles.estimate.Estimate` at a micro-batch of ``size`` on the target device: its
+        stages found and profiled on fake copies of its tensors and of ``example_inputs`` made ``size`` rows long
+        (nothing allocated; its own tensors back afterwards)."""
+        s = self._settings
+        with faked_in_place([self.model], example_inputs) as fakes:
+            with self.precision.capturing():
+                discovery = self._discover(batch_resized(fakes, size))
+            staged = discovery.staged
+            with self.precision.profiling():
+                chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=0,
+                                      repeats=1, name=staged.name, options=s["stage_options"],
+                                      say=lambda line: None, estimate=True, device_spec=s["device_spec"])
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return Estimate(staged.name, trainable, held_by_caller(chain, discovery.returned_bytes))
 
     def _discover(self, example_inputs):
         """The model's stages on ``example_inputs``, the last returning what the call returns (``auto``: the
@@ -267,6 +314,12 @@ class FittedModel(torch.nn.Module):
     def plan(self):
         """The plan the next call runs by (:class:`planner.plan.Plan`)."""
         return self._current.plan
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step the plan is made for (``accumulate``, or ``global_batch`` over the
+        micro-batch)."""
+        return self._settings["setup"].accumulate
 
     @property
     def micro_batch_peaks(self) -> tuple:
@@ -415,14 +468,16 @@ def _forward_as(model):
     return forward
 
 
-def _returns(returns, setup: TrainingSetup, graph: bool) -> str:
+def _returns(returns, setup: TrainingSetup, graph: bool, global_batch: int = None) -> str:
     """:func:`fit`'s ``returns`` checked: ``"auto"`` is ``"loss"`` when the update runs inside the backward, when
-    gradients accumulate over micro-batches, and on the graph path, which plan no output held by the caller."""
+    gradients accumulate over micro-batches (or may: ``global_batch``), and on the graph path, which plan no
+    output held by the caller."""
     if returns not in ("auto", "output", "loss"):
         raise MemschedError(f"fit returns: 'auto', 'output' or 'loss', not {returns!r}")
     update, accumulate = setup.update, setup.accumulate
     reason = (f"update={update!r} (a step that frees each stage's gradients)" if update != "after" else
               f"accumulate={accumulate} (micro-batches after the first)" if accumulate != 1 else
+              f"global_batch={global_batch} (micro-batches accumulated)" if global_batch is not None else
               "graph=True (the graph executor's step)" if graph else None)
     if reason is None:
         return returns

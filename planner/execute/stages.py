@@ -165,11 +165,7 @@ def _parts(inputs, rank: int, world: int) -> tuple:
     """``(inputs cut, cut, batch)``: :func:`batch_part`'s result, the function cutting a tensor whose first
     dimension is a multiple of the batch, and the batch."""
     flat, spec = tree_flatten(inputs)
-    first = next((t for t in flat if isinstance(t, torch.Tensor)), None)
-    if first is None or not first.dim():
-        raise MemschedError("data parallelism splits the model's first input along its first dimension: it must "
-                            "be a tensor")
-    batch = first.shape[0]
+    batch = batch_size(flat, "data parallelism splits")
     if batch % world:
         raise MemschedError(f"the batch of {batch} does not split over {world} data-parallel ranks; give a batch that "
                             f"is a multiple of {world} (--batch)")
@@ -180,6 +176,27 @@ def _parts(inputs, rank: int, world: int) -> tuple:
 
     parts = [cut(value) if _batch_sized(value, batch, exactly=True) else value for value in flat]
     return tree_unflatten(parts, spec), cut, batch
+
+
+def batch_resized(inputs, size: int):
+    """``inputs`` (as for :func:`batch_part`) with every tensor whose first dimension is the batch (the first
+    tensor's) made ``size`` rows long, row ``i`` its row ``i`` modulo the batch: a batch of another size laid out
+    as this one, its values this one's (token ids stay ids, labels labels). Fake tensors stay fake."""
+    flat, spec = tree_flatten(inputs)
+    batch = batch_size(flat, "a batch of another size repeats")
+    rows = torch.arange(size) % batch
+    return tree_unflatten([value.index_select(0, rows.to(value.device)) if _batch_sized(value, batch, exactly=True)
+                           else value for value in flat], spec)
+
+
+def batch_size(flat: list, what: str) -> int:
+    """The batch of flat inputs: their first tensor's first size, refused in one line (``what`` does what with
+    it) when there is no such tensor."""
+    first = next((t for t in flat if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.dim() or not first.shape[0]:
+        raise MemschedError(f"{what} the model's first input along its first dimension, the batch: it must be a "
+                            "tensor with one")
+    return first.shape[0]
 
 
 def _batch_sized(value, batch: int, exactly: bool = False) -> bool:

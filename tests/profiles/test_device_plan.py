@@ -76,6 +76,21 @@ def test_a_model_that_does_not_fit_at_a_micro_batch_of_one_is_one_line():
     assert "does not fit tiny at a micro-batch of 1" in message and "of device memory" in message
 
 
+def test_a_step_budget_caps_each_micro_batch_below_what_the_device_leaves(capsys):
+    roomy, capped = plan_for_device(MLP, SMALL, "auto"), plan_for_device(MLP, SMALL, "auto", budget="4MiB")
+    assert all(c.plan.budget_bytes == 4 << 20 >= c.plan.predicted.peak_bytes for c in capped[:-1])
+    assert capped[-1].plan is None and "below the minimum feasible" in capped[-1].why
+    assert [c.batch for c in capped] < [c.batch for c in roomy]  # it stopped at a smaller micro-batch
+    above = plan_for_device(MLP, SMALL, "auto", budget="1GiB")  # more than the device leaves: what it leaves
+    assert [(c.batch, c.plan and c.plan.budget_bytes) for c in above] == [(c.batch, c.plan and c.plan.budget_bytes)
+                                                                         for c in roomy]
+    status, out, err = run(capsys, "plan", MLP, "--device-spec", "l4", "--batch", "64", "--budget", "auto")
+    assert status == 0, err
+    status, capped_out, err = run(capsys, "plan", MLP, "--device-spec", "l4", "--batch", "1024", "--budget", "6MiB")
+    assert status == 0, err
+    assert "rotor" in capped_out.split("chosen")[0].splitlines()[-1]  # 6 MiB does not store a batch of 1024
+
+
 def test_memsched_plan_prints_the_table_and_the_fastest(capsys, tmp_path):
     spec = tmp_path / "small.json"
     spec.write_text(json.dumps(SMALL.to_dict()))
@@ -122,6 +137,8 @@ def test_the_cpu_target_has_the_machines_memory_unless_told_and_other_names_are_
     (["plan", "examples/example-L24.chain.json", "--device-spec", "l4"], ["--device-spec builds a SPEC"]),
     (["plan", MLP, "--device-spec", "tpu-v9"], ["no such device", "h100-80gb"]),
     (["plan", MLP, "--batch", "many"], ["--batch"]),
+    (["plan", MLP, "--budget", "4MiB"], ["--budget 4MiB", "--device-spec"]),
+    (["plan", MLP, "--device-spec", "l4", "--budget", "4 parsecs"], ["--budget", "'parsecs'"]),
 ])
 def test_plan_refusals_are_one_line(capsys, argv, words):
     line = one_error_line(*run(capsys, *argv))
