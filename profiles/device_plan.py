@@ -69,21 +69,21 @@ def update_seconds(chain, setup: TrainingSetup, device) -> float:
 def candidate(spec: str, batch: int, accumulate: int, device, setup: TrainingSetup, solver: str = "auto",
               device_memory: int = None) -> Candidate:
     """The :class:`Candidate` of ``spec`` at micro-batch ``batch`` over ``accumulate`` micro-batches on ``device``
-    (its memory, or ``device_memory`` bytes when given)."""
+    (its memory, or ``device_memory`` bytes when given, less the cuBLAS workspaces it holds: its peak counts them)."""
     from profiles.estimate import estimate_chain  # torch: not for memory_report of a chain profile
 
     estimate = estimate_chain(spec, batch, device_spec=device)
     chain = estimate.chain
     batch = batch or dict(chain.measured_on.inputs)["0"].shape[0]  # the model's own: its input's first size
     trained = dataclasses.replace(setup, accumulate=accumulate)
-    memory = device.memory_bytes if device_memory is None else device_memory
+    memory = device.step_memory_bytes(device_memory)
     try:
         plan, _ = solve_for_budget(chain, "auto", solver, trained, memory)
     except MemschedError as exc:
-        return Candidate(batch, accumulate, estimate, None, why=_short(exc, chain, trained))
+        return Candidate(batch, accumulate, estimate, None, why=_short(exc, chain, trained, device))
     seconds = accumulate * plan.predicted.time + update_seconds(chain, trained, device)
-    return Candidate(batch, accumulate, estimate, plan, resident_on_device(chain, trained) + plan.predicted.peak_bytes,
-                     seconds, batch * accumulate / seconds)
+    peak = device.blas_workspace().held + resident_on_device(chain, trained) + plan.predicted.peak_bytes
+    return Candidate(batch, accumulate, estimate, plan, peak, seconds, batch * accumulate / seconds)
 
 
 def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, solver: str = "auto",
@@ -123,10 +123,12 @@ def _saturated(tried: list) -> bool:
     return len(rates) == 3 and all(later < (1 + FLAT) * earlier for earlier, later in zip(rates, rates[1:]))
 
 
-def _short(exc: MemschedError, chain, setup: TrainingSetup) -> str:
-    """Why a candidate does not fit, short: the least device memory its setup needs, else the error."""
+def _short(exc: MemschedError, chain, setup: TrainingSetup, device) -> str:
+    """Why a candidate does not fit, short: the least device memory its setup needs on ``device`` (the cuBLAS
+    workspaces it holds included), else the error."""
     try:
-        return f"needs {describe_bytes(least_device_memory(chain, setup))} of device memory"
+        least = least_device_memory(chain, setup) + device.blas_workspace().held
+        return f"needs {describe_bytes(least)} of device memory"
     except MemschedError:
         return str(exc)
 
@@ -167,8 +169,10 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         chosen = tried and best(tried)
         name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
+    workspace = render_memory.workspace_lines(device, memory) if device else []  # held beside the step
+    memory = device.step_memory_bytes(device_memory) if device else memory
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
-              else device_budget_report(chain, setup, memory, parameters))
+              else workspace + device_budget_report(chain, setup, memory, parameters))
     lines += (render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
               + render_memory.floor_lines(whole_step_floors(chain, setup)))
     if not tried:

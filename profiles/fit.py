@@ -233,7 +233,7 @@ class FittedModel(torch.nn.Module):
                                   estimate=target is not None, device_spec=target)
         chain = held_by_caller(chain, held)
         if s["budget"] == "auto":  # what the target's memory leaves beside the resident state
-            budget = activation_budget(chain, s["setup"], target.memory_bytes)
+            budget = activation_budget(chain, s["setup"], target.step_memory_bytes())
         else:
             budget = _budget_bytes(s["budget"], chain, s["setup"].accumulate)
             offer_graph(staged, chain, budget, s["solver"], s["setup"])
