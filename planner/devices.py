@@ -5,7 +5,9 @@ throughput in bf16 on tensor cores and in plain fp32 (FLOP/s), its memory bandwi
 way (bytes/s), its allocator (``"cuda"``: planner/allocator.py rounds every block as PyTorch's caching
 allocator does; ``"cpu"``: bytes as they are) and, optionally, a fixed cost per operation (seconds: a launch,
 the framework's dispatch; 0 for the built-in GPUs, whose data sheets give none, so that a small model's estimate,
-launch-bound on a real GPU, is faster than its real step). The built-in figures are the vendors' data sheets',
+launch-bound on a real GPU, is faster than its real step) and, for a CUDA device, its compute capability ("9.0":
+it sets the cuBLAS workspace the device holds, planner/blas_workspace.py; left out, that workspace is not
+counted). The built-in figures are the vendors' data sheets',
 dense (half the "with sparsity" tensor-core figures), each spec naming its source. Memory is the board's, the
 data sheets' "GB" read as GiB (an A100 80GB reports 81920 MiB; a board may report somewhat less, ECC or reserved
 memory taken); what one process can allocate is less again (the CUDA context and the driver take some). A file
@@ -13,10 +15,12 @@ is ``memsched.device/1`` (docs/formats.md, "Device specs").
 """
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import planner.validate as validate
+from planner.blas_workspace import BlasWorkspace, blas_workspace
 from planner.errors import MemschedError
 from planner.jsonio import read_json
 from planner.rates import Rates
@@ -27,7 +31,8 @@ DEVICE_FORMAT = "memsched.device/1"
 ALLOCATORS = ("cuda", "cpu")
 MIN_MEMORY = 1 << 20  # bytes: a device smaller than 1 MiB holds no model
 _FIELDS = ("format", "name", "memory_bytes", "bf16_flops", "fp32_flops", "memory_bandwidth", "d2h_bandwidth",
-           "h2d_bandwidth", "allocator", "source", "op_overhead_s")
+           "h2d_bandwidth", "allocator", "source", "op_overhead_s", "compute_capability")
+_CAPABILITY = re.compile(r"([1-9][0-9]?)\.([0-9])")  # "MAJOR.MINOR", as nvidia-smi --query-gpu=compute_cap prints
 GIB, TERA, GIGA = 1 << 30, 1e12, 1e9
 
 
@@ -35,8 +40,8 @@ GIB, TERA, GIGA = 1 << 30, 1e12, 1e9
 class DeviceSpec:
     """One device: ``memory_bytes`` (bytes), ``bf16_flops`` and ``fp32_flops`` (peak dense FLOP/s),
     ``memory_bandwidth``, ``d2h_bandwidth`` and ``h2d_bandwidth`` (bytes/s), ``allocator`` ("cuda" or "cpu")
-    ``source`` (where the figures come from) and ``op_overhead_s`` (seconds every operation costs on top of the
-    roofline; 0: none)."""
+    ``source`` (where the figures come from), ``op_overhead_s`` (seconds every operation costs on top of the
+    roofline; 0: none) and ``compute_capability`` (a CUDA device's, "MAJOR.MINOR"; None: not known)."""
 
     name: str
     memory_bytes: int
@@ -48,6 +53,7 @@ class DeviceSpec:
     allocator: str = "cuda"
     source: str = ""
     op_overhead_s: float = 0.0
+    compute_capability: str = None
 
     def flops(self, low_precision: bool) -> float:
         """Peak FLOP/s of a model computing in bf16 or fp16 (``low_precision``: tensor cores) or else in fp32."""
@@ -63,39 +69,51 @@ class DeviceSpec:
         measured channel (``memsched profile`` on the device) is slower."""
         return Transfer(d2h_bandwidth=self.d2h_bandwidth, h2d_bandwidth=self.h2d_bandwidth)
 
+    def blas_workspace(self, environ=None) -> BlasWorkspace:
+        """The cuBLAS workspaces a training step on this device holds (planner/blas_workspace.py), under the
+        environment ``environ`` (default: this process's)."""
+        return blas_workspace(self.allocator, self.compute_capability, environ)
+
+    def step_memory_bytes(self, memory_bytes: int = None, environ=None) -> int:
+        """Bytes of the device's memory (``memory_bytes`` when given, else the spec's) a training step and its
+        resident state can use: less the cuBLAS workspaces (:meth:`blas_workspace`)."""
+        return (self.memory_bytes if memory_bytes is None else memory_bytes) - self.blas_workspace(environ).held
+
     def to_dict(self) -> dict:
-        return {"format": DEVICE_FORMAT, **{field: getattr(self, field) for field in _FIELDS[1:]}}
+        fields = [field for field in _FIELDS[1:] if field != "compute_capability" or self.compute_capability]
+        return {"format": DEVICE_FORMAT, **{field: getattr(self, field) for field in fields}}
 
 
 def _pcie(gigabytes_per_second: float, name: str, memory_gib: int, bf16_tflops: float, fp32_tflops: float,
-          bandwidth_gbps: float, source: str) -> DeviceSpec:
+          bandwidth_gbps: float, source: str, capability: str) -> DeviceSpec:
     """A CUDA board on PCIe whose data sheet gives the link's both directions together (``gigabytes_per_second``):
-    half of it each way."""
+    half of it each way; ``capability``: its compute capability (NVIDIA's CUDA GPUs table)."""
     each_way = gigabytes_per_second * GIGA / 2
     return DeviceSpec(name, memory_gib * GIB, bf16_tflops * TERA, fp32_tflops * TERA, bandwidth_gbps * GIGA,
-                      each_way, each_way, "cuda", source)
+                      each_way, each_way, "cuda", source, compute_capability=capability)
 
 
 _H100 = "NVIDIA H100 Tensor Core GPU data sheet (2023): BF16 1,979 TFLOPS with sparsity"
 _A100 = "NVIDIA A100 Tensor Core GPU data sheet (2021): BF16 624 TFLOPS with sparsity"
 _DEVICES = (
-    _pcie(128, "h100-80gb", 80, 989.5, 67, 3350, f"{_H100} (SXM); FP32 67 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s"),
+    _pcie(128, "h100-80gb", 80, 989.5, 67, 3350, f"{_H100} (SXM); FP32 67 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s",
+          "9.0"),
     _pcie(128, "h100-pcie-80gb", 80, 756.5, 51, 2000,
           "NVIDIA H100 Tensor Core GPU data sheet (2023), H100 PCIe: BF16 1,513 TFLOPS with sparsity; FP32 51 "
-          "TFLOPS; HBM2e 2 TB/s; PCIe Gen5 128 GB/s"),
+          "TFLOPS; HBM2e 2 TB/s; PCIe Gen5 128 GB/s", "9.0"),
     _pcie(128, "h200-141gb", 141, 989.5, 67, 4800,
           "NVIDIA H200 Tensor Core GPU data sheet (2024), H200 SXM: BF16 1,979 TFLOPS with sparsity; FP32 67 TFLOPS; "
-          "HBM3e 4.8 TB/s; PCIe Gen5 128 GB/s"),
+          "HBM3e 4.8 TB/s; PCIe Gen5 128 GB/s", "9.0"),
     _pcie(64, "a100-80gb", 80, 312, 19.5, 2039, f"{_A100}; FP32 19.5 TFLOPS; A100 80GB SXM HBM2e 2,039 GB/s; "
-          "PCIe Gen4 64 GB/s"),
+          "PCIe Gen4 64 GB/s", "8.0"),
     _pcie(64, "a100-40gb", 40, 312, 19.5, 1555, f"{_A100}; FP32 19.5 TFLOPS; A100 40GB HBM2 1,555 GB/s; "
-          "PCIe Gen4 64 GB/s"),
+          "PCIe Gen4 64 GB/s", "8.0"),
     _pcie(64, "l4", 24, 121, 30.3, 300,
           "NVIDIA L4 Tensor Core GPU data sheet (2023): BF16 242 TFLOPS with sparsity; FP32 30.3 TFLOPS; GDDR6 "
-          "300 GB/s; PCIe Gen4 x16 64 GB/s"),
+          "300 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
     _pcie(64, "rtx-4090", 24, 165.2, 82.6, 1008,
           "NVIDIA Ada GPU Architecture whitepaper (v2.02), GeForce RTX 4090: BF16 with FP32 accumulate 165.2 TFLOPS "
-          "dense (twice that with sparsity); FP32 82.6 TFLOPS; GDDR6X 1,008 GB/s; PCIe Gen4 x16 64 GB/s"),
+          "dense (twice that with sparsity); FP32 82.6 TFLOPS; GDDR6X 1,008 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
 )
 DEVICES = {spec.name: spec for spec in _DEVICES}
 
@@ -139,7 +157,8 @@ def device_from_dict(data: dict, where: str) -> DeviceSpec:
         d2h_bandwidth=_rate(validate.require(data, "d2h_bandwidth", where), field("d2h_bandwidth")),
         h2d_bandwidth=_rate(validate.require(data, "h2d_bandwidth", where), field("h2d_bandwidth")),
         allocator=allocator, source=validate.text(data.get("source", ""), field("source")),
-        op_overhead_s=_overhead(data.get("op_overhead_s", 0.0), field("op_overhead_s")))
+        op_overhead_s=_overhead(data.get("op_overhead_s", 0.0), field("op_overhead_s")),
+        compute_capability=_capability(data.get("compute_capability"), allocator, field("compute_capability")))
 
 
 def _memory(value, where: str) -> int:
@@ -178,4 +197,16 @@ def _overhead(value, where: str) -> float:
     if value >= 1:
         raise MemschedError(f"{where} = {value:g} seconds per operation is no device's (a launch takes "
                             "microseconds): give seconds, e.g. 5e-06")
+    return value
+
+
+def _capability(value, allocator: str, where: str):
+    """A CUDA device's compute capability, "MAJOR.MINOR" ("9.0"), or None when left out."""
+    if value is None:
+        return None
+    if allocator != "cuda":
+        raise MemschedError(f"{where} is a CUDA device's; a \"{allocator}\" device has none: leave it out")
+    if not isinstance(value, str) or not _CAPABILITY.fullmatch(value):
+        raise MemschedError(f"{where} must be a string \"MAJOR.MINOR\" as nvidia-smi --query-gpu=compute_cap "
+                            f"prints it (\"9.0\" for an H100, \"8.0\" for an A100), got {value!r}")
     return value

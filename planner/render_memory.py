@@ -66,6 +66,19 @@ def device_budget_lines(device_memory: int, budget: int, store_all_peak: int, le
             f"{describe_bytes(least)}: {fits}"]
 
 
+def workspace_lines(device, memory: int) -> list:
+    """The cuBLAS workspaces ``device`` (a :class:`planner.devices.DeviceSpec`) holds once a matmul has run
+    (planner/blas_workspace.py) and what its ``memory`` bytes leave beside them; nothing for a CPU."""
+    if device.allocator != "cuda":
+        return []
+    workspace = device.blas_workspace()
+    if device.compute_capability is None:
+        return [f"workspace  cuBLAS's {workspace.why} (add it, e.g. \"9.0\", to count it)"]
+    return [f"workspace  cuBLAS {describe_bytes(workspace.held)} held from the first matmul: {workspace.why}",
+            f"  the device's {describe_bytes(memory)} less it leave {describe_bytes(memory - workspace.held)} for the "
+            "resident state and the step"]
+
+
 def device_plan_lines(device, tried, chosen) -> list:
     """``memsched plan --device-spec``'s table: per micro-batch tried (profiles/device_plan.py's candidates), the
     micro-batches per optimizer step, whether it fits ``device`` (a :class:`planner.devices.DeviceSpec`), the

@@ -5,8 +5,10 @@ beside what was measured, so the estimate's error is known.
 :func:`measured_lines` builds the real model at the chosen micro-batch, applies the plan solved on its estimated
 chain (planner.execute.chain.apply_plan: the same stages, checked against what the estimate ran on) and measures
 its steps as ``memsched train`` does (profiles/training.py: the peak of each step's window, the step's seconds with
-the optimizer's update). Only the device the spec describes is measured: this CPU for ``cpu``; for a CUDA spec,
-the GPU CUDA gives, whatever its model (the line names it).
+the optimizer's update). On CUDA the cuBLAS workspaces are freed first, as a fresh process has none: the first
+step allocates them (planner/blas_workspace.py), so its peak holds them and the prediction counts them. Only the
+device the spec describes is measured: this CPU for ``cpu``; for a CUDA spec, the GPU CUDA gives, whatever its
+model (the line names it).
 """
 
 import statistics
@@ -32,16 +34,21 @@ def present(device) -> str:
 def measured_lines(spec: str, chosen, device, steps: int = MEASURED_STEPS) -> list:
     """Predicted against measured for the candidate ``chosen`` (profiles/device_plan.py) of ``spec`` on
     ``device``, trained ``steps`` steps where :func:`present` says it is: the step's peak and the optimizer
-    step's seconds and samples per second, each with the measured over the predicted."""
+    step's seconds and samples per second, each with the measured over the predicted. The predicted peak is the
+    plan's and the cuBLAS workspaces the first step allocates (:meth:`planner.devices.DeviceSpec.blas_workspace`:
+    the autograd thread's from the first matmul of the backward, where a step's peak usually is)."""
     where = present(device)
+    if where == "cuda":
+        torch._C._cuda_clearCublasWorkspaces()  # as in a fresh process: the first measured step allocates them
     model, _ = load_model(spec, batch=chosen.batch)
     comparison = train_chain_plan(model, chosen.plan, chosen.estimate.chain, steps, where, whole_step=True)
     peak = max(step.peak_bytes for step in comparison.planned)
     seconds = statistics.median(step.seconds for step in comparison.planned)
     label = torch.cuda.get_device_name() if where == "cuda" else "this CPU"
     samples = chosen.batch * chosen.accumulate / seconds
+    predicted = chosen.plan.predicted.peak_bytes + device.blas_workspace().held
     return [f"measured   on {label}, micro-batch {chosen.batch} x {chosen.accumulate}, {steps} steps: "
-            f"step peak {describe_bytes(peak)}, predicted {describe_bytes(chosen.plan.predicted.peak_bytes)} "
-            f"({peak / chosen.plan.predicted.peak_bytes:.4f}); {seconds:.4g} s per optimizer step, predicted "
+            f"step peak {describe_bytes(peak)}, predicted {describe_bytes(predicted)} "
+            f"({peak / predicted:.4f}); {seconds:.4g} s per optimizer step, predicted "
             f"{chosen.seconds:.4g} s ({seconds / chosen.seconds:.2f}); {samples:.4g} samples/s, predicted "
             f"{chosen.samples_per_second:.4g} ({samples / chosen.samples_per_second:.2f})"]

@@ -81,18 +81,19 @@ def judged(estimate, batch: int, accumulate: int, device, setup: TrainingSetup, 
            device_memory: int = None, budget: str = "auto", **params) -> Candidate:
     """The :class:`Candidate` of a model's ``estimate`` (:class:`profiles.estimate.Estimate`, its chain profiled at
     micro-batch ``batch``) over ``accumulate`` micro-batches on ``device`` (``device_memory`` bytes when given, else
-    its memory), solved within ``budget`` (:func:`_solved`; ``params``, the solver's)."""
+    its memory; less the cuBLAS workspaces it holds, which its peak counts), solved within ``budget``
+    (:func:`_solved`; ``params``, the solver's)."""
     chain = estimate.chain
     trained = dataclasses.replace(setup, accumulate=accumulate)
-    memory = device.memory_bytes if device_memory is None else device_memory
+    memory = device.step_memory_bytes(device_memory)
     try:
         plan = _solved(chain, budget, solver, trained, memory, **params)
     except MemschedError as exc:
         return Candidate(batch, accumulate, estimate, None,
-                         why=_short(exc, chain, trained) if budget == "auto" else str(exc))
+                         why=_short(exc, chain, trained, device) if budget == "auto" else str(exc))
     seconds = accumulate * plan.predicted.time + update_seconds(chain, trained, device)
-    return Candidate(batch, accumulate, estimate, plan, resident_on_device(chain, trained) + plan.predicted.peak_bytes,
-                     seconds, batch * accumulate / seconds)
+    peak = device.blas_workspace().held + resident_on_device(chain, trained) + plan.predicted.peak_bytes
+    return Candidate(batch, accumulate, estimate, plan, peak, seconds, batch * accumulate / seconds)
 
 
 def _solved(chain, budget: str, solver: str, setup: TrainingSetup, memory: int, **params):
@@ -150,10 +151,12 @@ def _saturated(tried: list) -> bool:
     return len(rates) == 3 and all(later < (1 + FLAT) * earlier for earlier, later in zip(rates, rates[1:]))
 
 
-def _short(exc: MemschedError, chain, setup: TrainingSetup) -> str:
-    """Why a candidate does not fit, short: the least device memory its setup needs, else the error."""
+def _short(exc: MemschedError, chain, setup: TrainingSetup, device) -> str:
+    """Why a candidate does not fit, short: the least device memory its setup needs on ``device`` (the cuBLAS
+    workspaces it holds included), else the error."""
     try:
-        return f"needs {describe_bytes(least_device_memory(chain, setup))} of device memory"
+        least = least_device_memory(chain, setup) + device.blas_workspace().held
+        return f"needs {describe_bytes(least)} of device memory"
     except MemschedError:
         return str(exc)
 
@@ -197,8 +200,10 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         chosen = tried and best(tried)
         name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
+    workspace = render_memory.workspace_lines(device, memory) if device else []  # held beside the step
+    memory = device.step_memory_bytes(device_memory) if device else memory
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
-              else device_budget_report(chain, setup, memory, parameters))
+              else workspace + device_budget_report(chain, setup, memory, parameters))
     lines += (render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
               + render_memory.floor_lines(whole_step_floors(chain, setup)))
     if not tried:

@@ -253,7 +253,7 @@ class FittedModel(torch.nn.Module):
         chain = held_by_caller(chain, held)
         budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"].accumulate)
         if target:  # never more than the target's memory leaves beside the resident state
-            left = activation_budget(chain, s["setup"], target.memory_bytes)
+            left = activation_budget(chain, s["setup"], target.step_memory_bytes())
             budget = left if budget is None else min(budget, left)
         else:
             offer_graph(staged, chain, budget, s["solver"], s["setup"])

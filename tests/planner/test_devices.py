@@ -62,6 +62,29 @@ def test_a_cost_per_operation_is_optional_and_goes_into_the_rates(tmp_path):
     assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates(False) == Rates(3e13, 3e11)
 
 
+def test_a_cuda_device_states_its_compute_capability_and_the_workspace_it_holds(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    expected = {"h100-80gb": "9.0", "h100-pcie-80gb": "9.0", "h200-141gb": "9.0", "a100-80gb": "8.0",
+                "a100-40gb": "8.0", "l4": "8.9", "rtx-4090": "8.9"}
+    assert {name: spec.compute_capability for name, spec in DEVICES.items()} == expected
+    h100, l4 = DEVICES["h100-80gb"], DEVICES["l4"]
+    assert h100.step_memory_bytes() == 80 * GIB - 2 * (32 << 20)  # two threads' 32 MiB cuBLAS workspaces
+    assert l4.step_memory_bytes() == 24 * GIB - 2 * 8519680 and l4.step_memory_bytes(GIB) == GIB - 2 * 8519680
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the deterministic setting: 128 KiB
+    assert h100.step_memory_bytes() == 80 * GIB - 2 * (128 << 10)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(dict(GOOD, compute_capability="8.6")))
+    spec = device_spec(path)
+    assert spec.compute_capability == "8.6" and spec.blas_workspace().held == 2 * (128 << 10)
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(spec.to_dict()))
+    assert load_device_spec(again) == spec
+    path.write_text(json.dumps(GOOD))  # left out: the workspace is not counted, and the file stays as it was
+    unknown = device_spec(path)
+    assert unknown.compute_capability is None and unknown.step_memory_bytes() == unknown.memory_bytes
+    assert "compute_capability" not in unknown.to_dict()
+
+
 def test_an_unknown_name_lists_the_known_ones():
     message = raises_one_line(device_spec, "h100")
     assert "'h100'" in message and "docs/formats.md" in message and DEVICE_FORMAT in message
@@ -107,6 +130,10 @@ def test_a_malformed_file_is_refused(tmp_path, text, fragments):
     pytest.param("op_overhead_s", math.inf, ("op_overhead_s", "finite"), id="overhead-infinite"),
     pytest.param("op_overhead_s", None, ("op_overhead_s", "number of seconds"), id="overhead-null"),
     pytest.param("allocator", "rocm", ("allocator", '"cuda"', '"cpu"', "'rocm'"), id="allocator"),
+    pytest.param("compute_capability", 9.0, ("compute_capability", '"MAJOR.MINOR"', '"9.0"'), id="capability-number"),
+    pytest.param("compute_capability", "nine", ("compute_capability", "nvidia-smi", "'nine'"), id="capability-words"),
+    pytest.param("compute_capability", "9", ("compute_capability", '"MAJOR.MINOR"'), id="capability-major-only"),
+    pytest.param("compute_capability", "0.0", ("compute_capability", '"MAJOR.MINOR"'), id="capability-zero"),
     pytest.param("name", "  ", ("name is empty", "h100-80gb"), id="name-empty"),
     pytest.param("name", 7, ("name must be a string",), id="name-number"),
 ])
@@ -116,3 +143,10 @@ def test_nonsense_figures_are_refused_naming_the_field(tmp_path, field, value, f
     message = raises_one_line(device_spec, str(path))
     assert message.startswith(f"{path}: {field}") or f"{path}: {field}" in message, message
     assert all(fragment in message for fragment in fragments), message
+
+
+def test_a_cpu_device_has_no_compute_capability(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(GOOD, allocator="cpu", compute_capability="9.0")))
+    message = raises_one_line(device_spec, str(path))
+    assert message.startswith(f"{path}: compute_capability is a CUDA device's") and "leave it out" in message

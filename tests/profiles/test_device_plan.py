@@ -2,6 +2,7 @@
 the model estimated on fake tensors for the target, solved within what the device leaves, the optimizer step
 timed, and ``--batch auto`` keeping the micro-batch of most samples per second."""
 
+import dataclasses
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import pytest
 from checks import one_error_line, raises_one_line, run
 from planner.devices import DEVICES, DeviceSpec
 from planner.setup import TrainingSetup
-from planner.setup.training import device_sizes
+from planner.setup.training import activation_budget, device_sizes
 from planner.units import describe_bytes
 from profiles.device_plan import best, plan_for_device, target_device, update_seconds
 from profiles.estimate import estimate_chain
@@ -143,3 +144,34 @@ def test_the_cpu_target_has_the_machines_memory_unless_told_and_other_names_are_
 def test_plan_refusals_are_one_line(capsys, argv, words):
     line = one_error_line(*run(capsys, *argv))
     assert all(word in line for word in words), line
+
+
+def test_a_cuda_device_leaves_the_step_its_memory_less_the_cublas_workspaces(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    held = 2 * 8519680  # two threads' default workspaces on compute capability 8.9, each split off a 20 MiB segment
+    ada = DeviceSpec("ada", 256 << 20, 2e12, 1e12, 1e11, 1e10, 1e10, "cuda", "made up", compute_capability="8.9")
+    unknown = dataclasses.replace(ada, compute_capability=None)  # the same spec, its architecture not given
+    outs = {}
+    for spec in (ada, unknown):
+        path = tmp_path / f"{spec.compute_capability}.json"
+        path.write_text(json.dumps(spec.to_dict()))
+        status, outs[spec.compute_capability], err = run(capsys, "plan", MLP, "--device-spec", path, "--batch", "4")
+        assert status == 0, err
+    lines = {key: [line for line in out.splitlines() if line.startswith(("workspace", "budget", "chosen"))]
+             for key, out in outs.items()}
+    assert lines["8.9"][0].startswith(f"workspace  cuBLAS {describe_bytes(held)} held from the first matmul: 2 x ")
+    assert lines[None][0].startswith("workspace  cuBLAS's not counted: the device spec gives no compute_capability")
+    budgets = {key: int(re.search(r"^budget +(\d+) bytes", "\n".join(found), re.M).group(1))
+               for key, found in lines.items()}
+    assert budgets[None] - budgets["8.9"] == held
+    chain = plan_for_device(MLP, ada, 4)[0].estimate.chain
+    assert budgets[None] == activation_budget(chain, TrainingSetup(), ada.memory_bytes)
+    with_, without = plan_for_device(MLP, ada, 4)[0], plan_for_device(MLP, unknown, 4)[0]
+    assert with_.peak - without.peak == held  # the predicted device peak counts them
+    assert f"peak {with_.peak} bytes" in lines["8.9"][-1]
+    # a device with room for the step and less than the workspaces beside it: it fits only when they are not counted
+    tight = dataclasses.replace(ada, memory_bytes=least_device_memory(chain, TrainingSetup()) + (1 << 20))
+    assert plan_for_device(MLP, dataclasses.replace(tight, compute_capability=None), 4)[0].plan is not None
+    message = raises_one_line(plan_for_device, MLP, tight, 4)
+    least = least_device_memory(chain, TrainingSetup()) + held
+    assert "does not fit ada at a micro-batch of 4" in message and f"needs {describe_bytes(least)}" in message

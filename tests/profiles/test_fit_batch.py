@@ -3,18 +3,21 @@
 searches; the chosen plan then trains the real model at that micro-batch with its gradients and predicted peak."""
 
 import copy
+import dataclasses
+import importlib.util
 
 import pytest
 import torch
 
 from checks import raises_one_line
 from discovery_models import MODELS
+from paths import ROOT
 from planner import fit
 from planner.devices import DeviceSpec
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.stages import batch_resized
 from planner.setup.training import resident_on_device
-from profiles.device_plan import best
+from profiles.device_plan import best, plan_for_device
 from profiles.memory import storage_bytes
 
 pytest.importorskip("transformers")
@@ -23,6 +26,14 @@ QUICK = dict(warmup=0, repeats=1, stage_options=0, returns="loss")
 # This CPU as a device of 12 MiB with a cost per operation: small micro-batches are launch-bound, large ones
 # must recompute (its figures only time the estimate)
 HERE = DeviceSpec("here", 12 << 20, 2e10, 2e10, 1e10, 1e10, 1e10, allocator="cpu", op_overhead_s=2e-5)
+
+
+def load_fixture(name: str):
+    """The module tests/fixtures/NAME.py."""
+    loaded = importlib.util.spec_from_file_location(f"fixture_{name}", ROOT / "tests" / "fixtures" / f"{name}.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +85,21 @@ def test_the_chosen_micro_batch_trains_as_the_unmodified_model_at_its_predicted_
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     fitted.model.zero_grad(set_to_none=True)
     twin.zero_grad(set_to_none=True)
+
+
+def test_fit_searches_as_memsched_plan_does_on_a_model_built_at_each_batch():
+    """The table of ``fit(..., batch="auto")`` on a live model (its example resized) is ``memsched plan --batch
+    auto``'s on the same model built at each micro-batch by its factory."""
+    spec = str(ROOT / "tests" / "fixtures" / "hf_gpt2.py") + ":build"
+    device = dataclasses.replace(HERE, memory_bytes=8 << 20)
+    tried = plan_for_device(spec, device, "auto")
+    model, example = load_fixture("hf_gpt2").build()
+    fitted = fit(model, example, "auto", device_spec=device, batch="auto", progress=False, **QUICK)
+    assert [c.batch for c in fitted.searched] == [c.batch for c in tried] and tried[-1].plan is None
+    for ours, theirs in zip(fitted.searched, tried):
+        assert (ours.accumulate, ours.peak, ours.why) == (theirs.accumulate, theirs.peak, theirs.why), ours.batch
+        assert ours.seconds == pytest.approx(theirs.seconds, rel=1e-9), ours.batch
+        assert (ours.plan and ours.plan.schedule) == (theirs.plan and theirs.plan.schedule), ours.batch
 
 
 def test_a_global_batch_accumulates_each_micro_batch_to_it():
