@@ -24,6 +24,10 @@ profiling it there:
    bytes moved, and the largest gradient difference from the plain step. A plan that fails prints its
    traceback and the others still run; an infeasible budget is reported, not failed.
 
+First, the device plan (bench/gpu_device_plan.py): the cuBLAS workspaces one step leaves allocated against
+planner/blas_workspace.py's rule, and ``memsched plan gpt-tiny... --device-spec <this GPU's built-in spec> --batch
+auto``, its chosen plan trained here for 3 steps, measured beside the estimate (peak and time).
+
 Times are CUDA events around each step (median of ``--steps`` after ``--warmup``); peaks are
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before the
 step, plus the inputs' bytes (as on CPU). Gradients are set to None and the seed reset before each step.
@@ -61,16 +65,17 @@ from solvers import solve, store_all_peak  # noqa: E402
 from solvers.minimum import minimum_budget  # noqa: E402
 
 
-def _load_bench_executor():
-    """bench/executor.py, loaded by path (bench/ is not a package)."""
-    path = Path(__file__).resolve().parent / "executor.py"
-    spec = importlib.util.spec_from_file_location("memsched_bench_executor", path)
+def _load_bench(name: str):
+    """bench/NAME.py, loaded by path (bench/ is not a package)."""
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"memsched_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-bench_executor = _load_bench_executor()
+bench_executor = _load_bench("executor")
+bench_device_plan = _load_bench("gpu_device_plan")
 
 # Store-all peak about 1.15 GiB (activations about 1 GiB, parameter gradients 86 MiB); the least feasible
 # budget is about 16% of it, so 25% leaves rotor room. (The suggested layers=12,d=1024,heads=16,seq=512,
@@ -408,7 +413,19 @@ class Checks:
         del offload_step, compute_step
         return row
 
+    def device_plan(self):
+        line, matches = bench_device_plan.cublas_workspace_line(self.device)
+        print(line)
+        self.summary.append(line)
+        for line in bench_device_plan.device_plan_lines(self.device):
+            print(line)
+            if line.startswith(("measured", "no built-in")):
+                self.summary.append(line)
+        if not matches:
+            raise AssertionError("the cuBLAS workspaces measured differ from planner/blas_workspace.py's rule")
+
     def run(self):
+        self.section("device plan: memsched plan's estimate for this GPU's spec, measured", self.device_plan)
         self.section("profile on the device", self.profile)
         if self.chain is None:
             return
