@@ -58,7 +58,7 @@ from profiles.cuts import (
     stage_module,
     stage_names,
 )
-from profiles.precision import with_autocast_casts
+from profiles.precision import eager_batch_norm, with_autocast_casts
 
 VERIFY_SEED = 12345
 
@@ -292,7 +292,7 @@ def _export(step, tensors, name) -> torch.fx.GraphModule:
     except Exception as exc:  # noqa: BLE001 (every failure of the capture is reported in one line)
         raise MemschedError(f"{name}: stage discovery cannot capture the forward with torch.export: "
                             f"{type(exc).__name__}: {_one_line(exc)[:400]}") from None
-    return program.module()
+    return eager_batch_norm(program.module())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,9 +19,18 @@ and autocast caches only the casts it makes itself. The profiler runs the captur
 ``aten.dropout`` is the one op whose ATen form differed from eager (measured on GPT-2): torch's decomposition
 makes it ``native_dropout`` (mask and scale), where eager CPU multiplies by a noise tensor divided by ``1 - p``;
 the gradients then differ in the last bit. :func:`with_autocast_casts` decomposes it as eager CPU runs it.
+
+Taking the program down also makes a training BatchNorm functional: ``_native_batch_norm_legit_functional``
+returns the new running statistics, and ``copy_`` nodes at the graph's end write them into the buffers. Those
+writes modify tensors the normalisation's backward saved (its running statistics), so that the backward refused
+to run ("modified by an inplace operation"), and the new statistics, computed from the activations, were live to
+the graph's end, so that no stage could end between two normalisations. :func:`eager_batch_norm` puts back the
+in-place form eager runs (``_native_batch_norm_legit``: the same kernel, the statistics updated by the
+normalisation itself, the same tensors saved).
 """
 
 import contextlib
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +96,42 @@ def with_autocast_casts(program, device_type: str):
         return program
     with _eager_dropout() if device_type == "cpu" else contextlib.nullcontext():  # CUDA's eager is native_dropout
         return program.run_decompositions({})
+
+
+def eager_batch_norm(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``graph_module`` with each functional training normalisation whose new running statistics only ``copy_``
+    nodes write back into the statistics it read made the in-place one eager runs (module docstring), and each
+    ``copy_(counter, counter + 1)`` of a counter nothing else reads (BatchNorm's ``num_batches_tracked``) made the
+    in-place ``add_`` where the ``+ 1`` was; changed in place and returned."""
+    functional, in_place = (torch.ops.aten._native_batch_norm_legit_functional.default,
+                            torch.ops.aten._native_batch_norm_legit.default)
+    graph = graph_module.graph
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is functional]:
+        items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        writes = [_write_back(items.get(k), node.args[k]) for k in (3, 4)]
+        if len(items) != len(node.users) or None in writes:
+            continue
+        for write, item in zip(writes, (items[3], items[4])):
+            graph.erase_node(write)
+            graph.erase_node(item)
+        node.target = in_place
+    for write in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default]:
+        counter, value = write.args  # num_batches_tracked += 1, written back at the end: in place where it was
+        if (value.target is torch.ops.aten.add.Tensor and value.args == (counter, 1) and len(value.users) == 1
+                and set(counter.users) == {value, write} and not write.users):
+            value.target = torch.ops.aten.add_.Tensor
+            graph.erase_node(write)
+    graph_module.recompile()
+    return graph_module
+
+
+def _write_back(item, statistics):
+    """The ``copy_(statistics, item)`` node that alone uses ``item`` (a new running statistic), or None."""
+    if item is None or len(item.users) != 1:
+        return None
+    (user,) = item.users
+    is_write = user.target is torch.ops.aten.copy_.default and user.args == (statistics, item) and not user.users
+    return user if is_write else None
 
 
 def _dropout(input, p, train):

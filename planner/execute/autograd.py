@@ -239,7 +239,14 @@ def _written_buffers(module) -> list:
     found = [(layer, ("running_mean", "running_var", "num_batches_tracked")) for layer in module.modules()
              if isinstance(layer, torch.nn.modules.batchnorm._NormBase) and layer.training
              and layer.track_running_stats]
-    return found + [(owner, (name,)) for owner, name in getattr(module, "memsched_written_buffers", ())]
+    return found + [(owner, (name,)) for part in module.modules()  # a part of merged stages lists its own
+                    for owner, name in getattr(part, "memsched_written_buffers", ())]
+
+
+def writes_statistics(module) -> bool:
+    """Whether a forward of ``module`` updates buffers (running statistics) in place: what a recomputation of
+    it must not do again (:func:`running_statistics_kept`)."""
+    return bool(_written_buffers(module))
 
 
 def detached(tree):

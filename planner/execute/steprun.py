@@ -28,6 +28,7 @@ from planner.execute.autograd import (
     rng_state,
     running_statistics_kept,
     set_rng_state,
+    writes_statistics,
 )
 from planner.execute.selective import run_with_option
 from planner.ops import TRANSFER_OPS
@@ -190,6 +191,8 @@ class StepRun:
             if i in self.planned.recomputed:
                 self.rng[i] = rng_state()
             return self.pass_on(call(*args), args)
+        if self.planned.compiled and recompute is None and writes_statistics(module):
+            call = module  # compiled code keeps reading the statistics swapped out below: this recomputation is eager
         with torch.random.fork_rng(devices=rng_devices()), autocast_as(self.autocast), running_statistics_kept(module):
             set_rng_state(self.rng[i])
             return self.pass_on(call(*args), args)

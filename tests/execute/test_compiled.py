@@ -286,3 +286,30 @@ def test_fit_compile_trains_as_fit_does():
     compiled(x).backward()
     for p, grad in zip(model.parameters(), expected):
         assert_close(p.grad, grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.compile
+def test_a_compiled_fit_recomputing_batch_norm_under_autocast_updates_its_statistics_once():
+    """A discovered stage writes its BatchNorm statistics as ops of its graph: its recomputation, swapping them out
+    (planner/execute/autograd.py), runs eagerly, since compiled code keeps reading the swapped-out tensors (before:
+    each recomputation updated them again, ``num_batches_tracked`` counting 2 or 3 per step)."""
+    import copy
+
+    from planner import fit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                            for _ in range(4)]).train()
+    twin, x = copy.deepcopy(model), torch.randn(4, 8, 16, 16)
+    fitted = fit(model, x, "60%", autocast=torch.bfloat16, warmup=0, repeats=1, stage_options=0, compile=True,
+                 progress=False)
+    assert fitted.plan.recomputed_forwards > 0
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, expected = fitted(x), twin(x).float().mean()
+        loss.backward()
+        expected.backward()
+    for (key, value), reference in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert_close(value, reference, rtol=1e-4, atol=1e-5, msg=key)  # num_batches_tracked 2, as eager's
+    for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=key)

@@ -149,3 +149,49 @@ def test_fp16_with_a_grad_scaler_trains_as_the_unmodified_model():
     for (key, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), key
     assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)  # the scaler stepped (no overflow)
+
+
+def test_batch_norm_under_bf16_autocast_trains_as_the_unmodified_model_and_splits_across_it(threads):
+    """A ConvNeXt-like model with BatchNorm (its running statistics updated in place, as eager does, not written
+    back at the graph's end: profiles/precision.py's ``eager_batch_norm``) under bf16 autocast: stages cut between
+    blocks across the normalisations (a block whose input only a cast reads is no cut: nothing saves that input),
+    three Adam steps equal to the unmodified model's (loss, gradients, parameters and running statistics, bit for
+    bit), and the step's peak within 1% of the prediction."""
+    from planner import fit
+    from profiles.memory import storage_bytes
+
+    model, batch, _ = MODELS["convnext"]()
+    twin = copy.deepcopy(model)
+    fitted = fit(model, batch, "85%", autocast=torch.bfloat16, returns="loss", **QUICK)
+    names = [stage.name for stage in fitted.chain.stages]  # cut after each downsampling's BatchNorm too
+    assert {"stages.1.0", "stages.2.0"} <= set(names) and len(names) >= 8, names  # 4, statistics written back
+    assert fitted.plan.recomputed_forwards > 0
+    with _bf16():
+        inputs = fitted.discovery.chain_inputs(batch, {})
+    torch.manual_seed(0)
+    with LiveMemoryTracker() as tracker:
+        with _bf16():
+            loss = fitted._current.run(*inputs)
+        loss.backward()
+    measured = tracker.peak + storage_bytes(list(inputs))
+    assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
+    model.load_state_dict(twin.state_dict())  # that step updated the statistics: start again from the twin's
+    model.zero_grad(set_to_none=True)
+    ours, theirs = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        torch.manual_seed(step)
+        with _bf16():
+            loss = fitted(*batch)
+        loss.backward()
+        torch.manual_seed(step)
+        with _bf16():
+            expected = twin(*batch)["loss"]
+        expected.backward()
+        assert torch.equal(loss.detach(), expected.detach()), (step, loss, expected)
+        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, key)
+        for optimizer in (ours, theirs):
+            optimizer.step()
+            optimizer.zero_grad()
+    for (key, value), expected in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(value, expected), key  # parameters and running statistics alike
