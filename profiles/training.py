@@ -208,7 +208,7 @@ def train_and_compare(planned_step, stages, inputs, steps: int, device, resident
         planned = Learner(trainable_parameters(stages), updates=updates, max_grad_norm=max_grad_norm)
         updates.warm_up()
         plain = learner(trainable_parameters(reference), timed_update=True)
-    reference = [(name, torch.compile(module)) for name, module in reference] if compiled else reference
+    reference = [(name, torch.compile(module, dynamic=False)) for name, module in reference] if compiled else reference
     plain_step = autograd_step(lambda *xs: run_stages(reference, xs), loss_fn or default_loss, inputs)
     planned_measures, plain_measures = measure_alternately(planned_step, plain_step, planned, plain, steps, device,
                                                            resident_bytes, compiled, accumulate)

@@ -224,7 +224,7 @@ class PlannedChain(torch.nn.Module):
         if i not in self._compiled_stages:
             module = self.modules_in_order[i]
             merged = isinstance(module, MergedStages)
-            self._compiled_stages[i] = CompiledRun(module) if merged else torch.compile(module)
+            self._compiled_stages[i] = CompiledRun(module) if merged else torch.compile(module, dynamic=False)
         return self._compiled_stages[i]
 
     def graph_parameters(self, stages) -> list:

@@ -69,7 +69,7 @@ class CompiledOption:
         def forward(*inputs):
             return region(*inputs)
 
-        self.compiled = torch.compile(own_code(forward))
+        self.compiled = torch.compile(own_code(forward), dynamic=False)
 
     def run(self, module, args):
         return self.compiled(*args)

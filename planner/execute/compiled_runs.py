@@ -80,7 +80,7 @@ class CompiledRun:
                 x = region(x, *extra) if with_grad and region is not None else module(x, *extra)
             return x
 
-        self.compiled = torch.compile(own_code(forward))
+        self.compiled = torch.compile(own_code(forward), dynamic=False)
 
     def __call__(self, x, *extra):
         if self.regions is None and torch.is_grad_enabled() and any(r is not None for r in self.merged.recomputes):
@@ -105,7 +105,7 @@ class CompiledRun:
                 if recompute is not None:
                     region = compiled_region(stage_graph(module, (x, *extra)), recompute, (x, *extra), name)
                     if region is None:  # its graph writes in place
-                        self.stepwise = [torch.compile(part) for part in self.merged.parts]
+                        self.stepwise = [torch.compile(part, dynamic=False) for part in self.merged.parts]
                         self.regions = []
                         return
                 regions.append(region)
