@@ -75,6 +75,10 @@ def returned_loss(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+class ExampleFailed(MemschedError):
+    """The unmodified model (or its loss) raised on the example inputs."""
+
+
 class _Place(enum.Enum):
     """In an output layout: the loss's place, a returned tensor's place (members survive a deep copy)."""
 
@@ -271,7 +275,7 @@ def _reference_run(step, tensors, name) -> tuple:
         except MemschedError:
             raise
         except Exception as exc:  # the user's model: any failure is theirs to fix
-            raise MemschedError(f"{name}: the model failed on its example inputs: {type(exc).__name__}: "
+            raise ExampleFailed(f"{name}: the model failed on its example inputs: {type(exc).__name__}: "
                                 f"{_one_line(exc)}") from None
         # a kernel may write a buffer without moving its version counter (CPU BatchNorm's statistics)
         written = {key for key, buffer in buffers.items() if buffer._version != versions[key][0]

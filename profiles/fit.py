@@ -214,7 +214,11 @@ class FittedModel(torch.nn.Module):
         self._plans = []
         chosen = self._batching(example_inputs, batch, global_batch)
         self._settings["setup"], self.micro_batch, self.searched = chosen.setup, chosen.size, chosen.searched
-        self._current = self._planned(example_inputs if batch is None else batch_resized(example_inputs, chosen.size))
+        if batch is None:
+            self._current = self._planned(example_inputs)
+        else:
+            with fit_batch.resized_failures(chosen.size, loss_fn):
+                self._current = self._planned(batch_resized(example_inputs, chosen.size))
         # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
         self.forward = types.MethodType(_forward_as(model), self)
 
@@ -285,7 +289,7 @@ class FittedModel(torch.nn.Module):
         stages found and profiled on fake copies of its tensors and of ``example_inputs`` made ``size`` rows long
         (nothing allocated; its own tensors back afterwards)."""
         s = self._settings
-        with faked_in_place([self.model], example_inputs) as fakes:
+        with fit_batch.resized_failures(size, s["loss_fn"]), faked_in_place([self.model], example_inputs) as fakes:
             with self.precision.capturing():
                 discovery = self._discover(batch_resized(fakes, size))
             staged = discovery.staged

@@ -10,6 +10,7 @@ forward run for real), solved within the budget and judged on the device
 micro-batch is accumulated ``global_batch / micro-batch`` times per optimizer step.
 """
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from planner.errors import MemschedError
 from planner.render_memory import device_plan_lines
 from planner.setup import TrainingSetup
 from profiles.device_plan import Candidate, best, judged, tried_batches
+from profiles.discover import ExampleFailed
 
 
 class Batching(NamedTuple):
@@ -69,6 +71,19 @@ def batching(example_batch: int, batch, global_batch, setup: TrainingSetup, esti
     for line in device_plan_lines(device, tried, chosen):
         say(line)
     return Batching(chosen.batch, dataclasses.replace(setup, accumulate=chosen.accumulate), tuple(tried))
+
+
+@contextlib.contextmanager
+def resized_failures(size: int, loss_fn):
+    """The model failing on the example made ``size`` rows long (:class:`profiles.discover.ExampleFailed`) said
+    so; with a ``loss_fn`` of the user's, that one closing over targets of the example's batch cannot take
+    another."""
+    try:
+        yield
+    except ExampleFailed as exc:
+        hint = ("; a loss_fn closing over targets of the example's batch cannot take another: pass the targets "
+                "among the inputs") if loss_fn is not None else ""
+        raise MemschedError(f"{exc} (fit batch: the example's batched tensors given {size} rows{hint})") from None
 
 
 def _accumulated(global_batch, size: int, setup: TrainingSetup) -> int:

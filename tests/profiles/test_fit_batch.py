@@ -139,3 +139,12 @@ def test_batch_refusals_are_one_line(options, words):
     budget = options.pop("budget", "auto" if "device_spec" in options else "60%")
     message = raises_one_line(fit, model, batch, budget, **options)
     assert all(word in message for word in words), message
+
+
+def test_a_loss_closing_over_the_examples_targets_cannot_take_another_batch_in_one_line():
+    model, pixels, loss_fn = MODELS["vit"]()  # its loss closes over 4 labels
+    message = raises_one_line(fit, model, pixels, "60%", loss_fn=loss_fn, batch=8, progress=False, **QUICK)
+    assert "failed on its example inputs" in message and "given 8 rows" in message and "pass the targets" in message
+    message = raises_one_line(fit, model, pixels, "auto", loss_fn=loss_fn, device_spec=HERE, batch="auto",
+                              progress=False, **QUICK)
+    assert "given 1 rows" in message and "pass the targets among the inputs" in message
