@@ -109,8 +109,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
             (:func:`planner.execute.stages.batch_resized`); ``"auto"`` (with ``device_spec``), the one that trains
             fastest there: micro-batches of 1, 2, 4, ... found and profiled on fake tensors, solved within
             ``budget`` and judged by predicted samples per second, as ``memsched plan --batch auto`` does
-            (profiles/fit_batch.py); ``.searched`` holds the table, ``.micro_batch`` the size chosen. The loop
-            then feeds batches of that size.
+            (profiles/fit_batch.py); ``.searched`` holds the table, ``.micro_batch`` the size chosen (None when
+            neither ``batch`` nor ``global_batch`` is given). The loop then feeds batches of that size.
         global_batch: samples per optimizer step: ``global_batch / micro-batch`` micro-batches accumulated
             (``.accumulate``), instead of ``accumulate``.
         options: the solver's parameters, and ``update="in-backward"`` (or ``"on-host"``, with a ``transfer``

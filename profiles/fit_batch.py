@@ -22,9 +22,9 @@ from profiles.discover import ExampleFailed
 
 
 class Batching(NamedTuple):
-    """What :func:`fit` plans for: ``size`` samples per micro-batch, ``setup`` accumulating ``global_batch /
-    size`` micro-batches when a global batch is given, and the :class:`profiles.device_plan.Candidate` s
-    ``searched`` (none unless ``batch="auto"``)."""
+    """What :func:`fit` plans for: ``size`` samples per micro-batch (None: the example as given, its size not
+    read), ``setup`` accumulating ``global_batch / size`` micro-batches when a global batch is given, and the
+    :class:`profiles.device_plan.Candidate` s ``searched`` (none unless ``batch="auto"``)."""
 
     size: int
     setup: TrainingSetup
