@@ -52,11 +52,11 @@ def checked(batch, global_batch, setup: TrainingSetup, device) -> None:
 
 def batching(example_batch: int, batch, global_batch, setup: TrainingSetup, estimate_at, device, budget,
              solver: str, what: str, say, **params) -> Batching:
-    """The :class:`Batching` for ``batch`` (None: ``example_batch``, the example's, None when not read; an int; or
-    ``"auto"``: the
-    fastest of those :func:`tried_batches` tries on ``device``, ``estimate_at(size)`` giving the model's
-    :class:`profiles.estimate.Estimate` at that micro-batch, each solved by ``solver`` with ``params`` within
-    ``budget``: ``"auto"``, bytes or a percentage as :func:`fit` reads them); the table searched goes to ``say``."""
+    """The :class:`Batching` for ``batch``: None, ``example_batch`` (the example's, None when not read); an int;
+    or ``"auto"``, the fastest of those :func:`tried_batches` tries on ``device``, ``estimate_at(size)`` giving
+    the model's :class:`profiles.estimate.Estimate` at that micro-batch, each solved by ``solver`` with ``params``
+    within ``budget`` (``"auto"``, bytes or a percentage, as :func:`fit` reads them), the table searched said line
+    by line to ``say``."""
     if batch != "auto":
         size = example_batch if batch is None else batch
         return Batching(size, dataclasses.replace(setup, accumulate=_accumulated(global_batch, size, setup)))
