@@ -316,8 +316,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                  "cpu (this one, measured) or a memsched.device/1 file")
     plan.add_argument("--global-batch", type=_at_least(1), metavar="N", help="--device-spec: samples per optimizer "
                                                                              "step, micro-batches accumulated")
-    plan.add_argument("--budget", default="auto", help="--device-spec: the step's budget: auto (what the device "
-                                                       "leaves; default) or bytes (4GiB) or a %% of store-all")
+    plan.add_argument("--budget", default="auto", metavar="auto|B",
+                      help="--device-spec: the step's budget: auto (what the device leaves) or bytes (4GiB), or %%")
     _add_setup_arguments(plan)
 
     partition = commands.add_parser("partition", help="split a chain across pipeline devices (1F1B or GPipe)",
