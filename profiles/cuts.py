@@ -225,7 +225,7 @@ def _saves(op, value, producer, index) -> bool:
         return True
     try:
         with mode:
-            arguments = tree_map_only(torch.fx.Node, lambda n: _fake_argument(n, mode), (op.args, op.kwargs))
+            arguments = _fake_arguments(op, mode)
             saved = []
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
                                                                                lambda t: t):
@@ -241,15 +241,32 @@ def _saves(op, value, producer, index) -> bool:
     return any(_storage_key(t) == key for t in saved)
 
 
-def _fake_argument(node, mode):
-    """A node's value as a fresh fake tensor (requiring a gradient when floating point), as the op sees it."""
+def _fake_arguments(op, mode) -> tuple:
+    """``(args, kwargs)`` of ``op`` as fresh fake tensors (:func:`_fake_argument`); an argument the op writes in
+    place (a training BatchNorm's running statistics) requires no gradient, as the buffer it is: requiring one, the
+    op refused to run ("not differentiable with respect to argument 'running_mean'"), which counted as saving its
+    output, and a stage was cut at a BatchNorm's output that under autocast nothing saves (only the next
+    convolution's cast reads it), the chain holding it to the next backward: 4.7% over the measured peak."""
+    written = {a.name for a in op.target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = [a.name for a in op.target._schema.arguments]
+
+    def fake(node, name):
+        return tree_map_only(torch.fx.Node, lambda n: _fake_argument(n, mode, name not in written), node)
+
+    args = tuple(fake(a, names[k] if k < len(names) else None) for k, a in enumerate(op.args))
+    return args, {key: fake(value, key) for key, value in op.kwargs.items()}
+
+
+def _fake_argument(node, mode, differentiable: bool = True):
+    """A node's value as a fresh fake tensor (requiring a gradient when floating point and ``differentiable``), as
+    the op sees it."""
     value = node.meta.get("val")
     if value is None and node.op == "get_attr":
         value = mode.from_tensor(_attribute(node.graph.owning_module, node.target))
     if not isinstance(value, torch.Tensor):
         return value
     copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    return copy.requires_grad_(copy.is_floating_point())
+    return copy.requires_grad_(differentiable and copy.is_floating_point())
 
 
 def _copied_attribute(graph, env, node):
