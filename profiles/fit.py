@@ -130,9 +130,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
             least that any options could reach (``solvers.minimum.least_budget_bound``; not with ``accumulate``,
             whose floor is the accumulating step's), naming ``graph=True`` when the step's joint graph meets it (a
             model whose blocks keep several tensors live has few cuts; not under autocast, where ``graph=True`` is
-            refused); a setup whose parts do not mix, or given
-            beside its keywords; a ``returns`` other than the three, or ``"output"`` where only the loss is
-            planned; and whatever discovery, :func:`solvers.solve` and
+            refused); a setup whose parts do not mix, or given beside its keywords; a ``returns`` other than the
+            three, or ``"output"`` where only the loss is planned; and whatever discovery, :func:`solvers.solve` and
             :func:`planner.execute.chain.apply_plan` refuse. A later call refuses a batch of another layout
             (without ``replan``), another autocast state, or some modules switched between training and eval mode
             since; moving or casting the fitted model (``.cuda()``, ``.half()``) is refused.
