@@ -52,28 +52,33 @@ def bf16_fits():
     return fitted
 
 
+def _trains_as_the_twin(model, twin, ours, theirs, steps: int = 3) -> None:
+    """``steps`` Adam steps of ``model`` by ``ours()`` (the fitted model's loss) and of its unmodified ``twin`` by
+    ``theirs()``, each forward under bf16 autocast at the same seed: losses and gradients equal bit for bit."""
+    optimizers = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for step in range(steps):
+        losses = []
+        for forward in (ours, theirs):
+            torch.manual_seed(step)
+            with _bf16():
+                loss = forward()
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), (step, losses)
+        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, key)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_autocast_trains_with_the_unmodified_models_losses_and_gradients(bf16_fits, name):
     """Three Adam steps: loss, every gradient and every parameter equal to the unmodified model's under the same
     autocast, bit for bit (the casts are the model's own, made as ops of the stages; dropout drawn alike)."""
     model, twin, batch, fitted = bf16_fits(name)
     assert fitted.plan.recomputed_forwards > 0
-    ours, theirs = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
-    for step in range(3):
-        torch.manual_seed(step)
-        with _bf16():
-            loss = fitted(**batch).loss
-        loss.backward()
-        torch.manual_seed(step)
-        with _bf16():
-            expected = twin(**batch).loss
-        expected.backward()
-        assert torch.equal(loss.detach(), expected.detach()), (step, loss, expected)
-        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
-            assert torch.equal(p.grad, q.grad), (step, key)
-        for optimizer in (ours, theirs):
-            optimizer.step()
-            optimizer.zero_grad()
+    _trains_as_the_twin(model, twin, lambda: fitted(**batch).loss, lambda: twin(**batch).loss)
     for (key, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), key
 
@@ -158,7 +163,6 @@ def test_batch_norm_under_bf16_autocast_trains_as_the_unmodified_model_and_split
     three Adam steps equal to the unmodified model's (loss, gradients, parameters and running statistics, bit for
     bit), and the step's peak within 1% of the prediction."""
     from planner import fit
-    from profiles.memory import storage_bytes
 
     model, batch, _ = MODELS["convnext"]()
     twin = copy.deepcopy(model)
@@ -166,33 +170,11 @@ def test_batch_norm_under_bf16_autocast_trains_as_the_unmodified_model_and_split
     names = [stage.name for stage in fitted.chain.stages]  # a BatchNorm with the convolution after it (below)
     assert {"stages.1[0,1]", "stages.1[2,3]"} <= set(names) and len(names) >= 8, names  # 4, statistics written back
     assert fitted.plan.recomputed_forwards > 0
-    with _bf16():
-        inputs = fitted.discovery.chain_inputs(batch, {})
-    torch.manual_seed(0)
-    with LiveMemoryTracker() as tracker:
-        with _bf16():
-            loss = fitted._current.run(*inputs)
-        loss.backward()
-    measured = tracker.peak + storage_bytes(list(inputs))
+    measured = _bf16_step_peak(fitted, batch)
     assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
     model.load_state_dict(twin.state_dict())  # that step updated the statistics: start again from the twin's
     model.zero_grad(set_to_none=True)
-    ours, theirs = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(twin.parameters(), lr=1e-2)
-    for step in range(3):
-        torch.manual_seed(step)
-        with _bf16():
-            loss = fitted(*batch)
-        loss.backward()
-        torch.manual_seed(step)
-        with _bf16():
-            expected = twin(*batch)["loss"]
-        expected.backward()
-        assert torch.equal(loss.detach(), expected.detach()), (step, loss, expected)
-        for (key, p), q in zip(model.named_parameters(), twin.parameters()):
-            assert torch.equal(p.grad, q.grad), (step, key)
-        for optimizer in (ours, theirs):
-            optimizer.step()
-            optimizer.zero_grad()
+    _trains_as_the_twin(model, twin, lambda: fitted(*batch), lambda: twin(*batch)["loss"])
     for (key, value), expected in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(value, expected), key  # parameters and running statistics alike
 
@@ -205,12 +187,21 @@ def test_a_bf16_convnext_is_cut_only_where_autograd_keeps_the_value_and_measures
     Each BatchNorm runs in the stage of the convolution after it, and the step peaks within 1% of the
     prediction."""
     from planner import fit
-    from profiles.memory import storage_bytes
 
     model, batch, _ = MODELS["convnext"]()
     fitted = fit(model, batch, "100%", autocast=torch.bfloat16, returns="loss", progress=False, **QUICK)
     names = [stage.name for stage in fitted.chain.stages]
     assert "stages.1.0" not in names and "stages.2.0" not in names and len(names) >= 6, names
+    measured = _bf16_step_peak(fitted, batch)
+    model.zero_grad(set_to_none=True)
+    assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
+
+
+def _bf16_step_peak(fitted, batch) -> int:
+    """Bytes: the peak of one planned step of ``fitted`` on the positional ``batch``, its forward under bf16
+    autocast, the prelude's values (made before the window) counted."""
+    from profiles.memory import storage_bytes
+
     with _bf16():
         inputs = fitted.discovery.chain_inputs(batch, {})
     torch.manual_seed(0)
@@ -218,6 +209,4 @@ def test_a_bf16_convnext_is_cut_only_where_autograd_keeps_the_value_and_measures
         with _bf16():
             loss = fitted._current.run(*inputs)
         loss.backward()
-    model.zero_grad(set_to_none=True)
-    measured = tracker.peak + storage_bytes(list(inputs))
-    assert abs(measured / fitted.predicted.peak_bytes - 1) <= 0.01, (threads, measured, fitted.predicted)
+    return tracker.peak + storage_bytes(list(inputs))
