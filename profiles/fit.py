@@ -245,20 +245,14 @@ class FittedModel(torch.nn.Module):
             return planned
         options = dict(s["options"])
         optimizer, lr, ordered = options.pop("optimizer"), options.pop("lr"), []
-        held = discovery.returned_bytes  # what the call returns beside the loss, held by the caller
 
         def check(so_far, pending):  # the budget against the floor as soon as it is known
-            return _refuse_early(staged, held_by_caller(so_far, held), pending, s, say, ordered)
+            return _refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
 
         target = s["device_spec"]
-        with self.precision.profiling(), (faked_in_place([module for _, module in staged.stages],
-                                                         staged.example_inputs) if target else
-                                          contextlib.nullcontext(staged.example_inputs)) as inputs:
-            chain = profile_chain(staged.stages, inputs, loss_fn=returned_loss, warmup=s["warmup"],
-                                  repeats=s["repeats"], name=staged.name, options=s["stage_options"],
-                                  say=lambda line: say(f"  {line}"), check=None if target else check,
-                                  estimate=target is not None, device_spec=target)
-        chain = held_by_caller(chain, held)
+        with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if target else
+              contextlib.nullcontext(staged.example_inputs)) as inputs:
+            chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if target else check)
         budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"].accumulate)
         if target:  # never more than the target's memory leaves beside the resident state
             left = activation_budget(chain, s["setup"], target.step_memory_bytes())
@@ -296,13 +290,20 @@ class FittedModel(torch.nn.Module):
         with fit_batch.resized_failures(size, s["loss_fn"]), faked_in_place([self.model], example_inputs) as fakes:
             with self.precision.capturing():
                 discovery = self._discover(batch_resized(fakes, size))
-            staged = discovery.staged
-            with self.precision.profiling():
-                chain = profile_chain(staged.stages, staged.example_inputs, loss_fn=returned_loss, warmup=0,
-                                      repeats=1, name=staged.name, options=s["stage_options"],
-                                      say=lambda line: None, estimate=True, device_spec=s["device_spec"])
+            chain = self._profiled(discovery, discovery.staged.example_inputs, lambda line: None)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return Estimate(staged.name, trainable, held_by_caller(chain, discovery.returned_bytes))
+        return Estimate(discovery.staged.name, trainable, chain)
+
+    def _profiled(self, discovery, inputs, say, check=None):
+        """The chain of ``discovery``'s stages profiled on ``inputs`` (fake ones for a target device: estimated
+        once, its figures the same on every run), what the call returns beside the loss held by the caller."""
+        s, target, staged = self._settings, self._settings["device_spec"], discovery.staged
+        with self.precision.profiling():
+            chain = profile_chain(staged.stages, inputs, loss_fn=returned_loss, warmup=0 if target else s["warmup"],
+                                  repeats=1 if target else s["repeats"], name=staged.name,
+                                  options=s["stage_options"], say=say, check=check, estimate=target is not None,
+                                  device_spec=target)
+        return held_by_caller(chain, discovery.returned_bytes)
 
     def _discover(self, example_inputs):
         """The model's stages on ``example_inputs``, the last returning what the call returns (``auto``: the
