@@ -24,6 +24,7 @@ from planner.accumulate import check_accumulate
 from planner.devices import DeviceSpec
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
+from planner.execute.sharded import check_sharded_run
 from planner.execute.stages import batch_resized, batch_size
 from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
@@ -38,8 +39,19 @@ from profiles.discover import discover, model_loss, returned_loss
 from profiles.estimate import Estimate
 from profiles.fake_build import faked_in_place
 from profiles.fit_graph import fit_graph, offer_graph
+from profiles.fit_ranks import (
+    adopt_sharded,
+    ddp_memory,
+    one_plan,
+    parameter_homes,
+    ranks,
+    refuse_resharded,
+    refuse_sharded_eval,
+    refuse_wrapped,
+)
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
+from solvers.budgets import store_all_of
 from solvers.minimum import least_budget_bound, minimum_budget
 from solvers.rotor import check_length
 
@@ -136,7 +148,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
             (without ``replan``), another autocast state, or some modules switched between training and eval mode
             since; moving or casting the fitted model (``.cuda()``, ``.half()``) is refused.
     """
-    say = progress if callable(progress) else say_on_stderr if progress else (lambda line: None)
+    quiet = not progress or ranks()[0] != 0  # in a job of several ranks, rank 0 alone plans and tells
+    say = progress if callable(progress) and not quiet else say_on_stderr if not quiet else (lambda line: None)
     options = dict(options)
     setup = _fit_setup(setup, accumulate, optimizer, options)
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
@@ -199,6 +212,12 @@ class FittedModel(torch.nn.Module):
                  stage_options, compile, setup, options, say, graph=False, autocast=None, returns="auto",
                  device_spec=None, batch=None, global_batch=None):
         super().__init__()
+        refuse_wrapped(model)
+        if setup.sharded:  # one rank's sharded step runs on its ranks alone: refused before any profiling
+            check_sharded_run(setup)
+        if graph and ranks()[1] > 1:
+            raise MemschedError("fit graph=True plans one process's step; in a job of several ranks fit the chain "
+                                "of stages (drop graph=True), which every rank then runs")
         if budget != "auto":
             _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
         check(setup, Run(compile=compile, graph=graph), interface="fit")
@@ -244,7 +263,22 @@ class FittedModel(torch.nn.Module):
             self._plans.append(planned)
             return planned
         options = dict(s["options"])
-        optimizer, lr, ordered = options.pop("optimizer"), options.pop("lr"), []
+        optimizer, lr = options.pop("optimizer"), options.pop("lr")
+        chain, plan = one_plan(lambda: self._solved(discovery, started, options))
+        # the example batch is not kept: it would sit in memory beside every step
+        discovery.staged = dataclasses.replace(staged, example_inputs=None)
+        homes = parameter_homes(self.model, staged.stages) if plan.setup.sharded else ()
+        run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
+        adopt_sharded(homes)  # apply_plan sharded the stages with fully_shard: the model takes their parameters
+        planned = _Planned(discovery, chain, plan, run, _modes(self.model))
+        self._plans.append(planned)
+        return planned
+
+    def _solved(self, discovery, started, options) -> tuple:
+        """``(chain, plan)`` for ``discovery``'s stages: profiled (refusing the budget as soon as it is known to lie
+        below the floor), then solved for the budget."""
+        s, say, staged, ordered = self._settings, self._say, discovery.staged, []
+        name = type(self.model).__name__
 
         def check(so_far, pending):  # the budget against the floor as soon as it is known
             return _refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
@@ -253,7 +287,7 @@ class FittedModel(torch.nn.Module):
         with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if target else
               contextlib.nullcontext(staged.example_inputs)) as inputs:
             chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if target else check)
-        budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"].accumulate)
+        budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"])
         if target:  # never more than the target's memory leaves beside the resident state
             left = activation_budget(chain, s["setup"], target.step_memory_bytes())
             budget = left if budget is None else min(budget, left)
@@ -264,12 +298,7 @@ class FittedModel(torch.nn.Module):
         plan = solvers.solve(chain, budget, s["solver"], s["setup"], **options)
         say(f"{name}: planned in {seconds_since(solving)} ({plan.solver}): predicted peak "
             f"{format_bytes(plan.predicted.peak_bytes)}, {plan.predicted.overhead:.1%} slower than storing everything")
-        # the example batch is not kept: it would sit in memory beside every step
-        discovery.staged = dataclasses.replace(staged, example_inputs=None)
-        run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
-        planned = _Planned(discovery, chain, plan, run, _modes(self.model))
-        self._plans.append(planned)
-        return planned
+        return chain, plan
 
     def _batching(self, example_inputs, batch, global_batch) -> fit_batch.Batching:
         """The micro-batch and setup planned for (profiles/fit_batch.py), ``batch="auto"`` searched on fake tensors
@@ -350,6 +379,17 @@ class FittedModel(torch.nn.Module):
         return self._current.predicted or self._current.plan.predicted
 
     @property
+    def ddp(self):
+        """Once a step ran inside ``DistributedDataParallel``: this rank's bytes there
+        (:class:`planner.simulate.ddp.DDPRank`: DDP's buckets and its hook's state beside the parameters, the
+        step's peak, the bytes sent each step with and without the hook); None before."""
+        settings = getattr(self._current.run, "ddp_settings", None)  # (a graph plan's run has none)
+        if settings is None:
+            return None
+        return ddp_memory(self._current.chain, self._current.plan, settings,
+                          self._current.discovery.returned_bytes)
+
+    @property
     def discovery(self):
         """The stages found (:class:`profiles.discover.Discovery`; ``describe()`` gives lines for people)."""
         return self._current.discovery
@@ -395,9 +435,11 @@ class FittedModel(torch.nn.Module):
         """``model(*args, **kwargs)`` under the plan (the output or the loss, as ``returns`` says); in eval mode or
         without gradients, the model itself."""
         if not torch.is_grad_enabled() or not self._training_as_planned():
+            refuse_sharded_eval(self._current.plan)
             output = self.model(*args, **kwargs)
             return output if self.returns == "output" else (self._settings["loss_fn"] or model_loss)(output)
         self.precision.check_call(type(self.model).__name__)
+        refuse_resharded(self, self._current.plan)
         planned = self._plan_for(args, kwargs)
         output = planned.run(*planned.discovery.chain_inputs(args, kwargs))
         return planned.discovery.output(output) if self.returns == "output" else output
@@ -501,7 +543,11 @@ def _modes(model) -> tuple:
 
 
 def _same_device(have, want) -> bool:
-    return want is None or have.type == want.type and (want.index is None or have.index == want.index)
+    """Whether a tensor on ``have`` is already on ``want`` (None: any): ``cpu`` and ``cpu:0`` are one device (what
+    Accelerate moves a model to), and ``cuda`` is the current CUDA device."""
+    if want is None or have.type != want.type or want.index is None or have.type == "cpu":
+        return want is None or have.type == want.type
+    return have.index == want.index
 
 
 def _takes(model, key: str) -> bool:
@@ -530,7 +576,8 @@ def _refuse_early(staged, chain, pending: dict, settings: dict, say, ordered: li
     own. A budget below it that the step's joint graph may meet is refused naming ``graph=True`` (:func:`offer_graph`
     on the discovered ``staged`` model)."""
     solver, setup = settings["solver"], settings["setup"]
-    if solver not in ("auto", "rotor", "hierarchical") or setup != TrainingSetup(**setup.sizing()):
+    if (solver not in ("auto", "rotor", "hierarchical") or setup != TrainingSetup(**setup.sizing())
+            or setup.sharded):
         return None
     budget, store_all = _budget_bytes(settings["budget"], chain), solvers.store_all_peak(chain)
     check_length(chain)
@@ -556,13 +603,13 @@ def _refuse_early(staged, chain, pending: dict, settings: dict, say, ordered: li
     return ordered
 
 
-def _budget_bytes(budget, chain, accumulate: int = 1):
-    """``budget`` in bytes (a percentage of ``chain``'s store-all peak, over ``accumulate`` micro-batches); with no
-    chain yet, only read (None when it is a percentage)."""
+def _budget_bytes(budget, chain, setup: TrainingSetup = TrainingSetup()):
+    """``budget`` in bytes (a percentage of the store-all peak of ``chain``'s step under ``setup``: over its
+    micro-batches, or one rank's sharded step: :func:`solvers.budgets.store_all_of`); with no chain yet, only read
+    (None when it is a percentage)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
         raise MemschedError(f"fit budget: give bytes (an int), a string like '6GiB' or a percentage like '50%', "
                             f"got {type(budget).__name__}")
     if chain is None and str(budget).strip().endswith("%"):
         return None
-    return parse_budget(str(budget), None if chain is None else solvers.store_all_peak(chain, accumulate),
-                        what="fit budget")
+    return parse_budget(str(budget), None if chain is None else store_all_of(chain, setup), what="fit budget")

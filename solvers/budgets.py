@@ -239,10 +239,10 @@ def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, devi
 
 def budget_of(chain, budget: str, setup: TrainingSetup, device_memory: int = None) -> tuple:
     """``(bytes, how)``: ``budget`` as :func:`planner.units.parse_budget` reads it against the store-all peak of
-    ``chain``'s step (:func:`_store_all_of`), and None; for ``"auto"``, the
+    ``chain``'s step (:func:`store_all_of`), and None; for ``"auto"``, the
     activation budget that ``device_memory`` bytes leave under ``setup`` and how, in words."""
     if budget != "auto":
-        return parse_budget(budget, _store_all_of(chain, setup)), None
+        return parse_budget(budget, store_all_of(chain, setup)), None
     if device_memory is None:
         raise MemschedError("--budget auto is what a device's memory leaves for the step: give --device-memory "
                             "(e.g. 80GiB)")
@@ -250,7 +250,7 @@ def budget_of(chain, budget: str, setup: TrainingSetup, device_memory: int = Non
             describe_auto_budget(chain, setup, device_memory))
 
 
-def _store_all_of(chain, setup: TrainingSetup) -> int:
+def store_all_of(chain, setup: TrainingSetup) -> int:
     """Bytes: what a percentage budget is of: the store-all peak of the chain's step (over ``setup.accumulate``
     micro-batches: :func:`solvers.store_all_peak`), or of a sharded step as it runs (its all-gathers, ZeRO 2's
     whole parameters: :func:`planner.setup.lower`)."""

@@ -15,11 +15,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import MemschedError
 from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
+from planner.execute.ddp import GradientAnnouncer, active_ddp, check_ddp, ddp_settings
 from planner.execute.fusion import fused_positions, output_releases
 from planner.execute.host_weights import prepare_host_weights, weights_on_device
 from planner.execute.offload import OffloadStepRun
 from planner.execute.records import find_shared, input_specs, stage_specs
-from planner.execute.sharded import ShardedStepRun
+from planner.execute.sharded import ShardedStepRun, check_sharded_run, shard_stages
 from planner.execute.stages import named_stages
 from planner.execute.steprun import StepRun
 from planner.execute.updates import StageUpdates
@@ -130,8 +131,7 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
                             "with planner.execute.graph.GraphExecutor, a pipeline plan with "
                             "planner.execute.pipeline.run_pipeline)")
     if plan.setup.sharded:
-        raise MemschedError(f"the plan is for one rank's step of {plan.setup.describe()}: train it on its ranks, "
-                            f"memsched train SPEC --dp {plan.setup.dp} --zero {plan.setup.zero} --plan PLAN.json")
+        check_sharded_run(plan.setup)
     if plan.moves_data and plan.transfer is None:
         raise MemschedError("the plan moves data between device and host but records no copy channel "
                             "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
@@ -149,8 +149,12 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
     recomputes = None if chain is None else {stage: chain.stages[stage].running_option(option).recompute
                                         for stage, option in chosen_options(plan.schedule).items()}
     update = None if plan.update == "after" else (plan.update, optimizer, lr, plan.host_stages)
+    zero = None
+    if plan.setup.sharded:  # each stage its own fully_shard unit, in place (planner/execute/sharded.py)
+        zero = plan.setup.zero
+        shard_stages(pairs, zero, plan.setup.dp)
     return apply_schedule(pairs, plan.schedule, fuse and plan.accumulate == 1, measured, source, recomputes, compile,
-                          update, setup=plan.setup)  # which checks the setup's rules
+                          update, zero, setup=plan.setup)  # which checks the setup's rules
 
 
 def _stage_count(schedule, pairs) -> int:
@@ -217,6 +221,11 @@ class PlannedChain(torch.nn.Module):
         # A tied parameter's gradient is summed over its stages before it is added into .grad (TiedGradients).
         self.first_readers = {id(parameter): entry.stages[0] for entry, parameter in find_shared(pairs)}
         self.updates = None if update is None else StageUpdates(self.modules_in_order, *update)
+        # what DistributedDataParallel cannot wrap (planner/execute/ddp.py), None when it can
+        self.ddp_settings = None  # planner.execute.ddp.DDPSettings of the DDP the last step ran in
+        self.not_for_ddp = ("that updates inside the backward" if update is not None else
+                            "that moves data to the host" if moves_data else
+                            "on sharded stages" if zero is not None else None)
 
     def compiled_stage(self, i):
         """Stage ``i`` through ``torch.compile`` (made on first use; without and with gradients it compiles
@@ -249,6 +258,11 @@ class PlannedChain(torch.nn.Module):
             measured.check_inputs(input_specs((first, *extra)), source)
             self.unchecked_inputs = None
         run = self.run_type(self, first, extra)
+        ddp = active_ddp(self)
+        if ddp is not None:  # its reducer averages each gradient once announced (planner/execute/ddp.py)
+            check_ddp(ddp, self.not_for_ddp)
+            run.announcer = GradientAnnouncer(self.first_readers, ddp)
+            self.ddp_settings = ddp_settings(ddp)
         anchor = torch.empty(0, requires_grad=True)  # makes the output differentiable even when the input is data
         flat_inputs = [t for t in tree_flatten((first, extra))[0] if isinstance(t, torch.Tensor)]
         outputs = _Capture.apply(run, *_Schedule.apply(run, anchor, *flat_inputs))

@@ -12,7 +12,6 @@ returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data par
 import functools
 import os
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from planner.errors import MemschedError
 from planner.execute.chain import apply_schedule
 from planner.execute.pipeline import check_progress_timeout, launch_ranks
 from planner.execute.records import input_specs, stage_specs
-from planner.execute.sharded import average_gradients, shard_stages, shared_parameters_of
+from planner.execute.sharded import average_gradients, shard_stages
 from planner.execute.stages import named_parameters, named_stages
 from planner.execute.updates import state_tensors
 from planner.measured_on import record_of
@@ -79,9 +78,6 @@ def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter,
 
 def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr, predicted, return_grads, seed):
     report.doing("building and sharding its stages", True, milestone=True)
-    # ShardedStepRun all-gathers each stage before its backward itself: FSDP2's pre-backward hook, which a view
-    # returned by a stage can lose (FSDP2 warns), is not relied on.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.manual_seed(seed)
     built = model(part=(rank, world))
     pairs = [(name, module.to(where)) for name, module in named_stages(built.stages)]
@@ -92,7 +88,7 @@ def _rank_job(rank, world, where, report, *, model, plan, zero, steps, meter, lr
     planned = apply_schedule(pairs, plan.schedule, zero=zero if zero > 1 else None)
     named = list(named_parameters(pairs).values())
     parameters = [p for _, p in named]
-    averaged = parameters if zero == 1 else shared_parameters_of(pairs)  # the gradients FSDP2 does not reduce
+    averaged = parameters if zero == 1 else []  # ZeRO 2-3: the planned step averages what FSDP2 does not reduce
     if zero == 1:  # each rank steps the state of its part of the parameters and broadcasts them
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

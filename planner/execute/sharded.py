@@ -7,9 +7,11 @@ planner/sharding.py models their bytes from the chain's parameter layout. :class
 runs a chain schedule on the sharded stages: ZeRO 3 all-gathers a stage at each of its operations and frees it after
 (``reshard_after_forward=True``); ZeRO 2 all-gathers every stage when the step starts and frees them when it
 ends. A stage's backward lets autograd accumulate its parameters' gradients so that FSDP2's post-backward finds
-them and reduce-scatters them into the sharded parameters' ``.grad``.
+them and reduce-scatters them into the sharded parameters' ``.grad``; those of the parameters kept whole are
+averaged once the backward is done. :func:`check_sharded_run` refuses a sharded plan outside its ranks.
 """
 
+import warnings
 import weakref
 
 import torch
@@ -85,6 +87,9 @@ def shard_stages(pairs, zero: int, dp: int, mesh=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     check_sharding(zero, dp)
+    # ShardedStepRun all-gathers each stage before its backward itself: FSDP2's pre-backward hook, which a view
+    # returned by a stage can lose (FSDP2 warns), is not relied on.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if zero == 1:
         raise MemschedError("ZeRO 1 shards no stage: it runs with ZeroRedundancyOptimizer "
                             "(planner/execute/data_parallel.py)")
@@ -99,6 +104,21 @@ def shard_stages(pairs, zero: int, dp: int, mesh=None) -> None:
                 buffers = _BUFFERS[module] = _CollectiveBuffers()
                 module.set_custom_all_gather(buffers.gather)
                 module.set_custom_reduce_scatter(buffers.reduce)
+
+
+def check_sharded_run(setup) -> None:
+    """Refuse in one line to run a plan for one rank's sharded step (``setup``: ZeRO ``zero`` over ``dp`` ranks)
+    outside a process group of ``dp`` ranks, and ZeRO 1, which shards no stage."""
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if ranks != setup.dp:
+        where = "outside a process group" if ranks is None else f"in a process group of {ranks} ranks"
+        raise MemschedError(f"the plan is for one rank's step of {setup.describe()}, run {where}: start "
+                            f"{setup.dp} ranks (torchrun --nproc_per_node {setup.dp}, or memsched train SPEC --dp "
+                            f"{setup.dp} --zero {setup.zero} --plan PLAN.json)")
+    if setup.zero == 1:
+        raise MemschedError("ZeRO 1 shards no stage, only the optimizer's state: train the fitted model in "
+                            "DistributedDataParallel with torch.distributed.optim.ZeroRedundancyOptimizer")
 
 
 def average_gradients(parameters) -> None:
@@ -116,6 +136,9 @@ class ShardedStepRun(StepRun):
     def __init__(self, planned, first, extra):
         super().__init__(planned, first, extra)
         self.sharded = [m for m in planned.modules_in_order if hasattr(m, "unshard")]
+        # the parameters several stages read, kept whole on every rank: averaged here once the backward is done
+        self.whole = list({id(p): p for m in planned.modules_in_order for p in m.parameters()
+                           if id(p) in planned.first_readers}.values())
         if planned.zero == 2:
             for module in self.sharded:
                 self._unshard(module)
@@ -158,6 +181,7 @@ class ShardedStepRun(StepRun):
         return grads
 
     def finish(self) -> None:
+        average_gradients(self.whole)
         if self.planned.zero == 2:
             for module in self.sharded:
                 module.reshard()

@@ -74,6 +74,7 @@ class StepRun:
         self.autocast = autocast_state()
         self.output_spec = None
         self.tied = TiedGradients(planned.first_readers)
+        self.announcer = None  # under DDP, a planner.execute.ddp.GradientAnnouncer
 
     def run(self, position) -> None:
         """Execute the operation at ``position`` of the schedule, then release outputs no longer read; on any
@@ -164,6 +165,8 @@ class StepRun:
         results = self.differentiate_stage(pairs, targets, inputs, parameters)
         del inputs
         self.tied.after_backward(stages)
+        if self.announcer is not None:
+            self.announcer.after_backward(stages, parameters)
         if self.planned.updates is not None:  # the optimizer update inside the backward (planner/execute/updates.py)
             self.planned.updates.after_backward(i)
         by_target = iter(results)
