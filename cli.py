@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="add K micro-batches' gradients before each optimizer step, planned for (default: 1)")
     train.add_argument("--progress-timeout", type=float, metavar="SECONDS",
                        help="--plan pipeline.json, --dp: stop the run when no step has finished for this long (each "
-                            "rank's setup milestones count as progress; default: 300)")
+                            "rank's setup milestones count; under torchrun: how long a collective waits; default: 300)")
 
     demo = commands.add_parser("demo", help="profile, solve, show and train the built-in gpt-tiny at half its memory",
                                description="On the built-in gpt-tiny: profile it, solve at 50%% of the store-all peak "
@@ -373,6 +373,7 @@ def _profile(args) -> None:
 
 def _train(args) -> None:
     from planner.execute.stages import checked_device
+    from planner.execute.torchrun import check_torchrun_world
     from profiles.spec import load_model
     from profiles.training import check_measured_on, train_chain_plan, train_pipeline
     from profiles.training import profiled_for_training as _profiled
@@ -387,6 +388,8 @@ def _train(args) -> None:
         raise MemschedError("--budget auto, --device-memory, --update and --accumulate are for solving: drop them "
                             "with --plan (a plan records its update and its micro-batches)")
     _setup(args, pipeline=bool(args.plan) and load_plan(args.plan).kind == "pipeline")  # what does not mix, first
+    if not (args.plan and load_plan(args.plan).kind == "pipeline"):  # (a pipeline run checks its devices' count)
+        check_torchrun_world(1, "train without --dp or a pipeline plan", "give --dp {world} or a pipeline --plan")
     model, _ = load_model(args.spec, batch=args.batch)
     if args.graph:
         return _train_graph(args, model)
@@ -397,8 +400,8 @@ def _train(args) -> None:
         check_plan_schedules(plan, args.plan)
         chain = load_chain(args.chain) if args.chain else None
         if plan.kind == "pipeline":
-            print("\n".join(train_pipeline(args.spec, args.batch, plan, args.steps, args.device, args.lr, chain,
-                                           args.progress_timeout)))
+            sys.stdout.write("".join(f"{line}\n" for line in train_pipeline(  # none on a torchrun rank but the first
+                args.spec, args.batch, plan, args.steps, args.device, args.lr, chain, args.progress_timeout)))
             return
         if args.progress_timeout is not None:
             raise MemschedError(f"--progress-timeout bounds a pipeline run; {args.plan} is a plan of kind {plan.kind}: "
@@ -441,7 +444,7 @@ def _train_sharded(args) -> None:
         fix = f"drop {unused[0]}" if unused else "give --dp and --budget"
         raise MemschedError("train --dp N [--zero 1|2|3] (--budget B | --plan P.json) trains one rank's step eagerly, "
                             f"updating after the backward: {fix}")
-    print("\n".join(train_data_parallel(
+    sys.stdout.write("".join(f"{line}\n" for line in train_data_parallel(  # none on a torchrun rank but the first
         args.spec, args.batch, args.dp, 3 if args.zero is None else args.zero, args.budget,
         plan=load_plan(args.plan) if args.plan else None,
         device_memory=args.device_memory, solver=args.solver, steps=args.steps, device=args.device, lr=args.lr,

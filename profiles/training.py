@@ -251,13 +251,20 @@ def train_pipeline(spec: str, batch, plan, steps: int, device="cpu", lr: float =
     """Train the model ``spec`` names (:func:`profiles.spec.built_model` at ``batch``) by a pipeline ``plan``,
     one process per device (:func:`planner.execute.pipeline.run_pipeline`; ``progress_timeout`` seconds without a
     finished step stop it, default :data:`DEFAULT_PROGRESS_TIMEOUT`); the lines of the run: per rank, the last
-    step's measured peak against the plan's device peak minus its resident state."""
+    step's measured peak against the plan's device peak minus its resident state. Under torchrun (as many ranks
+    as the plan has devices, each running this) rank 0 returns the lines, the others none."""
     pipe = plan.pipeline
     from planner.execute.pipeline import DEFAULT_PROGRESS_TIMEOUT, run_pipeline, summary_lines  # pipelines only
+    from planner.execute.torchrun import torchrun_rank
 
     timeout = DEFAULT_PROGRESS_TIMEOUT if progress_timeout is None else progress_timeout
-    results = run_pipeline(functools.partial(built_model, spec, batch=batch), plan, steps, meter=memory_meter,
-                           device=device, lr=lr, chain=chain, progress_timeout=timeout)
+    world = len(pipe.devices)
+    with torchrun_rank(world, f"the pipeline plan ({world} devices)", "partition the chain for --devices {world}",
+                       device, timeout, "pipeline") as here:
+        results = run_pipeline(functools.partial(built_model, spec, batch=batch), plan, steps, meter=memory_meter,
+                               device=device, lr=lr, chain=chain, progress_timeout=timeout, here=here)
+    if results is None:  # a rank torchrun started, not the first
+        return []
     return [f"pipeline: {len(pipe.devices)} devices, {pipe.schedule}, {pipe.micro_batches} micro-batches, "
             f"{steps} steps on {device}"] + summary_lines(results)
 

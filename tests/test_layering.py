@@ -24,6 +24,7 @@ MAX_LINES = 600
 DEFERRED_ALLOWED = {
     ("profiles.training", "planner.execute.graph"): "graph plans only",
     ("profiles.training", "planner.execute.pipeline"): "pipeline plans only",
+    ("profiles.training", "planner.execute.torchrun"): "pipeline plans only",
     ("profiles.training", "profiles.graph_profiler"): "graph profiles only",
 }
 # The one upward edge: ``planner.fit``, the user's one call, is ``profiles.fit.fit`` loaded on first use by the

@@ -6,7 +6,8 @@ the plan's schedule: for ZeRO 2 and 3 on stages sharded with FSDP2 (planner/exec
 parameters kept whole averaged after the backward, Adam stepping on its shards; for ZeRO 1 on the whole stages,
 every gradient averaged, PyTorch's ``ZeroRedundancyOptimizer`` (Adam) stepping its part of the state. Each
 measures its steps' peaks in a window opened with the gradients ``None`` and the optimizer state made, and
-returns a :class:`DataParallelResult`. How: docs/execution.md ("Sharded data parallelism").
+returns a :class:`DataParallelResult`. Under torchrun this process runs its own rank instead
+(planner/execute/torchrun.py). How: docs/execution.md ("Sharded data parallelism").
 """
 
 import functools
@@ -48,16 +49,19 @@ class DataParallelResult:
 
 def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter, device: str = "cpu",
                       lr: float = 1e-3, predicted: int, chain=None, return_grads: bool = False, seed: int = 0,
-                      progress_timeout: float = 300.0, threads: int = None) -> list:
+                      progress_timeout: float = 300.0, threads: int = None, here=None) -> list:
     """Train ``steps`` steps of ``model`` by the chain ``plan`` on ``dp`` ranks with ZeRO ``zero``; a
-    :class:`DataParallelResult` per rank. ``model(part=(rank, dp))``: a picklable function returning the staged
-    model on that rank's part of the batch (``functools.partial(profiles.spec.built_model, spec, batch=N)``, which
-    cuts the inputs before it finds the stages: planner/execute/stages.py's :func:`batch_part`).
+    :class:`DataParallelResult` per rank (under torchrun: on rank 0, None on the others). ``model(part=(rank,
+    dp))``: a picklable function returning the staged model on that rank's part of the batch
+    (``functools.partial(profiles.spec.built_model, spec, batch=N)``, which cuts the inputs before it finds the
+    stages: planner/execute/stages.py's :func:`batch_part`).
 
     ``plan``: solved for one rank's step (planner/sharding.py's chain); ``predicted``: its peak for that step.
     ``meter(device)``: the memory meter (``profiles.memory.memory_meter``). ``chain``: when given, what it was
-    measured on must be the model's stages and one rank's slice of its inputs. ``threads``: torch threads per rank
-    (default: the machine's cores shared by the ranks)."""
+    measured on must be the model's stages and one rank's slice of its inputs. ``threads``: torch threads per
+    spawned rank (default: the machine's cores shared by the ranks). ``here``: this process's rank of a launch by
+    torchrun (planner/execute/torchrun.py's :class:`TorchrunRank`), which runs its part of the batch on torchrun's
+    threads; None: the ranks are spawned here."""
     check_sharding(zero, dp)
     check_progress_timeout(progress_timeout)
     if plan.kind != "chain" or plan.update != "after" or plan.moves_data:
@@ -72,6 +76,8 @@ def run_data_parallel(model, plan, zero: int, dp: int, steps: int = 1, *, meter,
     del built
     job = functools.partial(_rank_job, model=model, plan=plan, zero=zero, steps=steps, meter=meter, lr=lr,
                             predicted=predicted, return_grads=return_grads, seed=seed)
+    if here is not None:
+        return here.run(job, dp)
     threads = max(1, (os.cpu_count() or 1) // dp) if threads is None else threads
     return launch_ranks(job, dp, device, progress_timeout, label="data-parallel", threads=threads)
 

@@ -8,7 +8,8 @@ the plan's device peak less what existed before the window. Failures are one lin
 (:class:`planner.errors.MemschedError`): a batch that does not split into the micro-batches, a plan that cannot
 run, a parameter shared across devices that the plan does not count, a rank that dies (the first to fail is
 named), and a run that makes no progress for ``progress_timeout`` seconds; the other ranks are then terminated
-and every child is joined. Ranks die with the parent. How: docs/execution.md ("Pipeline executor").
+and every child is joined. Ranks die with the parent. Under torchrun nothing is spawned: this process runs its
+own rank (planner/execute/torchrun.py). How: docs/execution.md ("Pipeline executor").
 """
 
 import functools
@@ -27,6 +28,7 @@ from planner.errors import MemschedError
 from planner.execute.pipeline_rank import STARTUP_TIMEOUT, check_model, rank_worker, run_rank
 from planner.execute.records import input_specs, stage_specs
 from planner.execute.stages import named_stages
+from planner.execute.torchrun import torchrun_world
 from planner.measured_on import record_of
 from planner.plan import Plan, check_plan_matches
 
@@ -52,9 +54,9 @@ def check_pipeline_plan(plan: Plan) -> None:
 
 def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu", lr: float = None,
                  progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT, chain=None, return_grads: bool = False,
-                 seed: int = 0) -> list:
+                 seed: int = 0, here=None) -> list:
     """Train ``steps`` steps by a pipeline ``plan`` on one process per device; return a
-    :class:`planner.execute.pipeline_rank.RankResult` per rank.
+    :class:`planner.execute.pipeline_rank.RankResult` per rank (under torchrun: on rank 0, None on the others).
 
     ``model``: a picklable function returning the model (a :class:`planner.execute.stages.StagedModel`: stages, example
     inputs of the whole batch, which the plan's micro-batches split, and loss), e.g. ``functools.partial(
@@ -63,7 +65,9 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     after each step (none when None: every step then runs on the same parameters). ``chain``: when given, the
     plan must have been solved for it. ``return_grads``: each rank's parameter gradients of the first step.
     ``progress_timeout``: seconds without a finished step (nor a rank's setup milestone) after which the run is
-    stopped, in one line naming the rank that made no progress.
+    stopped, in one line naming the rank that made no progress. ``here``: this process's rank of a launch by
+    torchrun (planner/execute/torchrun.py's :class:`TorchrunRank`), which runs its device of the plan; None: the
+    ranks are spawned here, and ``device`` must have a GPU per device (CUDA) or the cores for them (CPU).
     """
     check_progress_timeout(progress_timeout)
     check_pipeline_plan(plan)
@@ -72,13 +76,8 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     if device not in ("cpu", "cuda"):
         raise MemschedError(f"--device must be cpu or cuda, got {device!r}")
     world = len(plan.pipeline.devices)
-    if device == "cpu" and world > _cpu_ranks():
-        raise MemschedError(f"the plan has {world} devices: a CPU run starts one process per device (a Python "
-                            f"interpreter with torch), at most {_cpu_ranks()} here ({_RANKS_PER_CORE} per core); "
-                            "partition the chain for fewer devices")
-    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
-        raise MemschedError(f"the plan needs {world} CUDA devices, "
-                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are available")
+    if here is None:
+        _check_spawnable(world, device)
     if not torch.distributed.is_available():
         raise MemschedError("torch.distributed is not available in this PyTorch build: a pipeline cannot run")
     # Refuse a bad batch here, before any process starts (the workers check again on the built model).
@@ -87,7 +86,19 @@ def run_pipeline(model, plan: Plan, steps: int = 1, *, meter, device: str = "cpu
     del built
     job = functools.partial(run_rank, model=model, plan=plan, steps=steps, meter=meter, lr=lr,
                             return_grads=return_grads, seed=seed)
-    return launch_ranks(job, world, device, progress_timeout)
+    return launch_ranks(job, world, device, progress_timeout) if here is None else here.run(job, world)
+
+
+def _check_spawnable(world: int, device: str) -> None:
+    """The ranks of a plan of ``world`` devices spawned on this machine: refused in one line beyond its cores (CPU)
+    or its GPUs (CUDA)."""
+    if device == "cpu" and world > _cpu_ranks():
+        raise MemschedError(f"the plan has {world} devices: a CPU run starts one process per device (a Python "
+                            f"interpreter with torch), at most {_cpu_ranks()} here ({_RANKS_PER_CORE} per core); "
+                            "partition the chain for fewer devices")
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
+        raise MemschedError(f"the plan needs {world} CUDA devices, "
+                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are available")
 
 
 def _cpu_ranks() -> int:
@@ -125,7 +136,12 @@ def launch_ranks(job, world: int, device: str, progress_timeout: float, label: s
     """Run ``job(rank, world, where, report)`` (picklable) on ``world`` processes joined in one process group
     (planner/execute/pipeline_rank.py's :func:`rank_worker`), each with ``threads`` torch threads, watching
     their progress; return each rank's result. Failures and stalls are one line naming the rank, ``label``
-    naming the run."""
+    naming the run. Refused in one line in a rank torchrun started: what it spawns would wait for torchrun's store
+    (planner/execute/torchrun.py runs this process as its rank instead)."""
+    if torchrun_world() is not None:
+        raise MemschedError(f"this process is a rank torchrun started: the {label} run cannot spawn ranks of its own "
+                            "(they would wait for torchrun's store); run it as this rank (planner/execute/torchrun.py)"
+                            ", or start memsched without torchrun")
     context = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix=f"memsched-{label}-") as folder:

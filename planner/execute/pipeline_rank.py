@@ -279,14 +279,20 @@ def rank_worker(rank, world, port, folder, connection, parent, device, progress_
         sys.stderr.flush()
         os._exit(0)  # skips the interpreter's teardown of torch (seconds on a loaded machine): nothing is left to do
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line, before anything closes
-        message = " ".join(f"{type(exc).__name__}: {exc}".split()) if not isinstance(exc, MemschedError) \
-            else " ".join(str(exc).split())
+        message = error_line(exc)
         lost_peer = isinstance(exc, torch.distributed.DistNetworkError) or any(text in message.lower()
                                                                                 for text in _PEER_LOST)
-        report.send("error", time.time(), message[:500], lost_peer)
-        if os.environ.get("MEMSCHED_PIPELINE_TRACEBACK"):
-            traceback.print_exc()
+        report.send("error", time.time(), message, lost_peer)
         os._exit(1)
+
+
+def error_line(exc: BaseException) -> str:
+    """What a rank says of its failure: ``exc`` in one line of at most 500 characters, its type named unless it is a
+    :class:`MemschedError`; its traceback is printed to stderr first when MEMSCHED_PIPELINE_TRACEBACK is set."""
+    if os.environ.get("MEMSCHED_PIPELINE_TRACEBACK"):
+        traceback.print_exception(exc)
+    text = str(exc) if isinstance(exc, MemschedError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:500]
 
 
 class _Range(torch.nn.Module):
