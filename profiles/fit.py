@@ -30,7 +30,7 @@ from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
 from planner.setup.training import activation_budget
 from planner.simulate import micro_batch_peaks
-from planner.units import format_bytes, parse_budget
+from planner.units import format_bytes
 from profiles import fit_batch
 from profiles.chain_profiler import profile_chain
 from profiles.cuts import OutputNotReturned
@@ -38,9 +38,11 @@ from profiles.device_plan import target_device
 from profiles.discover import discover, model_loss, returned_loss
 from profiles.estimate import Estimate
 from profiles.fake_build import faked_in_place
+from profiles.fit_budget import budget_bytes, refuse_early
 from profiles.fit_graph import fit_graph, offer_graph
 from profiles.fit_ranks import (
     adopt_sharded,
+    ddp_line,
     ddp_memory,
     one_plan,
     parameter_homes,
@@ -51,9 +53,6 @@ from profiles.fit_ranks import (
 )
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
-from solvers.budgets import store_all_of
-from solvers.minimum import least_budget_bound, minimum_budget
-from solvers.rotor import check_length
 
 
 def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: str = "auto", *,
@@ -219,7 +218,7 @@ class FittedModel(torch.nn.Module):
             raise MemschedError("fit graph=True plans one process's step; in a job of several ranks fit the chain "
                                 "of stages (drop graph=True), which every rank then runs")
         if budget != "auto":
-            _budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
+            budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
         check(setup, Run(compile=compile, graph=graph), interface="fit")
         fit_batch.checked(batch, global_batch, setup, device_spec)
         self.model = model
@@ -233,6 +232,7 @@ class FittedModel(torch.nn.Module):
                               setup=setup, options=options, graph=graph, device_spec=device_spec,
                               offer_graph=self.precision.dtype is None)
         self._say = say
+        self._told_ddp = None  # the line said at the first step inside DistributedDataParallel
         self.replan = replan
         self._plans = []
         chosen = self._batching(example_inputs, batch, global_batch)
@@ -281,13 +281,13 @@ class FittedModel(torch.nn.Module):
         name = type(self.model).__name__
 
         def check(so_far, pending):  # the budget against the floor as soon as it is known
-            return _refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
+            return refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
 
         target = s["device_spec"]
         with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if target else
               contextlib.nullcontext(staged.example_inputs)) as inputs:
             chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if target else check)
-        budget = None if s["budget"] == "auto" else _budget_bytes(s["budget"], chain, s["setup"])
+        budget = None if s["budget"] == "auto" else budget_bytes(s["budget"], chain, s["setup"])
         if target:  # never more than the target's memory leaves beside the resident state
             left = activation_budget(chain, s["setup"], target.step_memory_bytes())
             budget = left if budget is None else min(budget, left)
@@ -442,6 +442,9 @@ class FittedModel(torch.nn.Module):
         refuse_resharded(self, self._current.plan)
         planned = self._plan_for(args, kwargs)
         output = planned.run(*planned.discovery.chain_inputs(args, kwargs))
+        if self._told_ddp is None and planned.run.ddp_settings is not None:  # the first step inside DDP
+            self._told_ddp = ddp_line(planned.run.ddp_settings, lambda: self.ddp)
+            self._say(self._told_ddp)
         return planned.discovery.output(output) if self.returns == "output" else output
 
     def _training_as_planned(self) -> bool:
@@ -564,52 +567,3 @@ def _example(args: tuple, kwargs: dict):
     if args and kwargs:
         raise MemschedError("fit(..., replan=True) plans again for positional or keyword inputs, not both at once")
     return kwargs or args
-
-
-def _refuse_early(staged, chain, pending: dict, settings: dict, say, ordered: list):
-    """Refuse the budget, as :func:`solvers.solve` would once every option is measured, as soon as it lies below
-    the least feasible budget of ``chain`` whatever options the ``pending`` stages get (``check`` of
-    :func:`profiles.options.measure_options`): exactly that least when the solver uses no options, else
-    :func:`least_budget_bound`. Then, once (into ``ordered``), the pending stages in the order to measure them:
-    those whose options could lower that least the most first. Only for the recomputation solvers on the chain as
-    measured: the offload solvers, weights on the host, updates in the backward and accumulation have floors of their
-    own. A budget below it that the step's joint graph may meet is refused naming ``graph=True`` (:func:`offer_graph`
-    on the discovered ``staged`` model)."""
-    solver, setup = settings["solver"], settings["setup"]
-    if (solver not in ("auto", "rotor", "hierarchical") or setup != TrainingSetup(**setup.sizing())
-            or setup.sharded):
-        return None
-    budget, store_all = _budget_bytes(settings["budget"], chain), solvers.store_all_peak(chain)
-    check_length(chain)
-    uses_options = settings["stage_options"] and solver != "rotor"
-    to_come = [j for stages in pending.values() for j in stages] if uses_options else []
-    least, most = least_budget_bound(chain, to_come), minimum_budget(chain, options=True)
-    share = f"{least / store_all:.1%} of the store-all peak"
-    if budget < least:
-        where = f"{format_bytes(least)} ({least} bytes, {share})" if least == most else (
-            f"at least {format_bytes(least)} ({share}) whatever options {len(to_come)} of its stages get, and at most "
-            f"{format_bytes(most)} ({most / store_all:.1%})")
-        if settings["offer_graph"]:
-            offer_graph(staged, chain, budget, solver, setup, least)
-        raise MemschedError(f"fit budget {settings['budget']!r}: {format_bytes(budget)} ({budget} bytes) is below "
-                            f"the least feasible budget for {chain.name}, {where}; raise the budget")
-    say(f"{chain.name}: store-all peak {format_bytes(store_all)}; least feasible budget "
-        + (f"between {format_bytes(least)} and {format_bytes(most)} ({len(pending)} stages' options to come)"
-           if to_come else format_bytes(most)))
-    if not to_come or budget >= most or ordered:
-        return None
-    ordered += sorted(pending, key=lambda k: -least_budget_bound(chain, [j for stages in pending.values()
-                                                                         if stages[0] != k for j in stages]))
-    return ordered
-
-
-def _budget_bytes(budget, chain, setup: TrainingSetup = TrainingSetup()):
-    """``budget`` in bytes (a percentage of the store-all peak of ``chain``'s step under ``setup``: over its
-    micro-batches, or one rank's sharded step: :func:`solvers.budgets.store_all_of`); with no chain yet, only read
-    (None when it is a percentage)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise MemschedError(f"fit budget: give bytes (an int), a string like '6GiB' or a percentage like '50%', "
-                            f"got {type(budget).__name__}")
-    if chain is None and str(budget).strip().endswith("%"):
-        return None
-    return parse_budget(str(budget), None if chain is None else store_all_of(chain, setup), what="fit budget")

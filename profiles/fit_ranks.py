@@ -2,8 +2,8 @@
 
 Inside a ``torchrun`` job (a ``torch.distributed`` process group of several ranks) every rank calls ``fit`` on its
 own part of the batch. :func:`one_plan` makes them run the same plan: each rank finds its own stages (its modules),
-rank 0 alone profiles and solves, and its chain and plan reach every rank as their JSON (so each rank's plan is
-rank 0's to the byte, and a refusal on rank 0 is every rank's, in the same line). :func:`refuse_wrapped` refuses a
+rank 0 alone profiles and solves, and its chain and plan reach every rank (so each rank's plan is rank 0's to the
+byte, and a refusal on rank 0 is every rank's). :func:`refuse_wrapped` refuses a
 model already wrapped in DDP or sharded by FSDP2, naming the order that works; :func:`refuse_resharded` a fitted
 model sharded after ``fit``. :func:`ddp_memory` is a rank's bytes under the DDP that wraps the fitted model
 (planner/simulate/ddp.py). docs/guide.md, "Several devices".
@@ -11,11 +11,11 @@ model sharded after ``fit``. :func:`ddp_memory` is a rank's bytes under the DDP 
 
 import torch
 
-from planner.chain import Chain
 from planner.errors import MemschedError
-from planner.plan import Plan
+from planner.execute.torchrun import from_rank0
 from planner.simulate import micro_batch_peaks
 from planner.simulate.ddp import bucket_view_peak, ddp_rank
+from planner.units import format_bytes
 
 _WORKING_ORDER = ("fit the model itself, then wrap the fitted model: DDP(fit(model, batch, budget)); for sharded "
                   "parameters fit(model, batch, budget, setup=TrainingSetup(zero=3, dp=WORLD_SIZE))")
@@ -30,24 +30,9 @@ def ranks() -> tuple:
 
 def one_plan(solve):
     """``solve()``'s ``(chain, plan)`` on rank 0, the same on every rank (outside a process group of several
-    ranks: ``solve()``). A :class:`MemschedError` on rank 0 is raised on every rank."""
-    rank, world = ranks()
-    if world == 1:
-        return solve()
-    sent = [None]
-    if rank == 0:
-        try:
-            chain, plan = solve()
-            sent = [("plan", chain.to_dict(), plan.to_dict())]
-        except MemschedError as error:
-            sent = [("refused", str(error), None)]
-            torch.distributed.broadcast_object_list(sent, src=0)
-            raise
-    torch.distributed.broadcast_object_list(sent, src=0)
-    kind, first, second = sent[0]
-    if kind == "refused":
-        raise MemschedError(first)
-    return Chain.from_dict(first, "rank 0's chain"), Plan.from_dict(second, "rank 0's plan")
+    ranks: ``solve()``). A refusal on rank 0 is raised on every rank (planner/execute/torchrun.py's
+    :func:`from_rank0`)."""
+    return solve() if ranks()[1] == 1 else from_rank0(solve, "fit")
 
 
 def refuse_wrapped(model) -> None:
@@ -125,3 +110,16 @@ def ddp_memory(chain, plan, settings, held: int):
     if settings.bucket_view and plan.accumulate == 1:
         peak = bucket_view_peak(chain, plan.schedule, held)
     return ddp_rank(peak, list(settings.gradients), settings.hook)
+
+
+def ddp_line(settings, rank_bytes) -> str:
+    """What a DDP adds to a rank and sends each step, in words; ``rank_bytes()``: the
+    :class:`planner.simulate.ddp.DDPRank` (refused for a hook memsched does not size: said instead)."""
+    try:
+        rank = rank_bytes()
+    except MemschedError as error:
+        return f"DDP: {error}"
+    kept = f"buckets {format_bytes(rank.buckets)}" + (
+        f" and {settings.hook_name}'s state {format_bytes(rank.hook_state)}" if rank.hook_state else "")
+    return (f"DDP: {kept} beside the parameters, the step's peak {format_bytes(rank.step_peak)}; all-reduces "
+            f"{format_bytes(rank.sent)} a step ({format_bytes(rank.uncompressed)} uncompressed)")

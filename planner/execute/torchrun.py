@@ -109,6 +109,32 @@ def _failing_as(label: str, rank: int):
         raise MemschedError(f"{label} rank {rank} failed: {error_line(exc)}") from None
 
 
+def from_rank0(compute, label: str):
+    """``compute()`` on rank 0 of the default process group, its value (picklable) on every rank. An error of rank
+    0's is raised on every rank, so that none waits for what rank 0 will not send: as it is on rank 0, as one line
+    naming rank 0 elsewhere (``label`` names the run)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        try:
+            value = compute()
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised here
+            _broadcast([(None, error_line(exc))], label, rank)
+            raise
+        _broadcast([(value, None)], label, rank)
+        return value
+    sent = [None]
+    _broadcast(sent, label, rank)
+    value, error = sent[0]
+    if error is not None:
+        raise MemschedError(f"{label} rank 0 failed: {error}")
+    return value
+
+
+def _broadcast(objects: list, label: str, rank: int) -> None:
+    with _failing_as(label, rank):
+        dist.broadcast_object_list(objects, src=0)
+
+
 class _Unwatched(Reporter):
     """A rank's progress reports when no parent reads them (torchrun watches its workers itself): dropped."""
 
@@ -130,26 +156,8 @@ class TorchrunRank:
     label: str
 
     def from_rank0(self, compute):
-        """``compute()`` on rank 0, its value (picklable) on every rank. An error of rank 0's is raised on every rank,
-        so that none waits for what rank 0 will not send: as it is on rank 0, as one line naming rank 0 elsewhere."""
-        if self.rank == 0:
-            try:
-                value = compute()
-            except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised here
-                self._broadcast([(None, error_line(exc))])
-                raise
-            self._broadcast([(value, None)])
-            return value
-        sent = [None]
-        self._broadcast(sent)
-        value, error = sent[0]
-        if error is not None:
-            raise MemschedError(f"{self.label} rank 0 failed: {error}")
-        return value
-
-    def _broadcast(self, objects: list) -> None:
-        with _failing_as(self.label, self.rank):
-            dist.broadcast_object_list(objects, src=0)
+        """``compute()`` on rank 0, its value on every rank (:func:`from_rank0`)."""
+        return from_rank0(compute, self.label)
 
     def run(self, job, world: int):
         """``job(rank, world, where, report)`` (a spawned rank's job) in this process, its progress reports dropped:

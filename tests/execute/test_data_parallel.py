@@ -268,7 +268,7 @@ def test_cli_trains_by_a_plan_solved_for_the_sharded_step(capsys, tmp_path):
     one_error_line(cli.main(["solve", str(chain), *"--zero 2 --dp 2 --budget 70% --solver pofo".split()]),
                    *capsys.readouterr(), "does not mix with --dp")
     one_error_line(cli.main(["train", RESNET.replace("batch=8", "batch=4"), "--plan", str(plan)]),  # one process
-                   *capsys.readouterr(), "train it on its ranks", "--dp 2 --zero 2 --plan")
+                   *capsys.readouterr(), "start 2 ranks (torchrun --nproc_per_node 2", "--dp 2 --zero 2 --plan")
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="torch.distributed with the gloo backend is not available in this PyTorch build")
 
 JOB = ROOT / "tests" / "fixtures" / "fit_ranks_job.py"
-DDP_RUNS = ("default", "bucket_view", "static_graph", "fp16", "powersgd")
+DDP_RUNS = ("default", "bucket_view", "static_graph", "fp16", "powersgd", "no_sync")
 
 
 @pytest.fixture(scope="module", params=["default", 2])
@@ -94,6 +94,16 @@ def test_powersgd_state_and_traffic_are_predicted(ranks):
         assert fitted["hook_state"] == fitted["predicted"]["hook_state"] == kept_by_plain
         assert fitted["predicted"]["sent"] < fitted["predicted"]["uncompressed"] / 4
         assert rank["ddp"]["fp16"]["fit"]["predicted"]["sent"] * 2 == fitted["predicted"]["uncompressed"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_rank_zero_alone_tells_what_ddp_adds(ranks):
+    """Rank 0 says the planning and, at the first step inside DDP, what DDP keeps and sends; rank 1 says nothing."""
+    told = [line for line in ranks[0]["said"] if line.startswith("DDP: ")]
+    assert len(told) == 1 and "buckets 109.5 KiB" in told[0] and "all-reduces 109.5 KiB a step" in told[0], told
+    assert any("planned in" in line for line in ranks[0]["said"])
+    assert ranks[1]["said"] == []
 
 
 @pytest.mark.slow
