@@ -57,15 +57,12 @@ def refuse_resharded(model, plan) -> None:
 
 
 def _sharded(model) -> bool:
-    """Whether ``fully_shard`` sharded any of ``model``'s modules (or swapped DTensors in as its parameters)."""
-    from torch.distributed.tensor import DTensor
-
+    """Whether ``fully_shard`` (FSDP2) sharded any of ``model``'s modules: it makes each one an ``FSDPModule``."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a build without FSDP2
-        FSDPModule = ()
-    return (any(isinstance(module, FSDPModule) for module in model.modules())
-            or any(isinstance(parameter, DTensor) for parameter in model.parameters()))
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def parameter_homes(model, stages) -> list:

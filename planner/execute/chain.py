@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import MemschedError
 from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
-from planner.execute.ddp import GradientAnnouncer, active_ddp, check_ddp, ddp_settings
+from planner.execute.ddp import GradientAnnouncer, active_ddp, check_ddp, known_ddp
 from planner.execute.fusion import fused_positions, output_releases
 from planner.execute.host_weights import prepare_host_weights, weights_on_device
 from planner.execute.offload import OffloadStepRun
@@ -261,8 +261,8 @@ class PlannedChain(torch.nn.Module):
         ddp = active_ddp(self)
         if ddp is not None:  # its reducer averages each gradient once announced (planner/execute/ddp.py)
             check_ddp(ddp, self.not_for_ddp)
-            run.announcer = GradientAnnouncer(self.first_readers, ddp)
-            self.ddp_settings = ddp_settings(ddp)
+            order, self.ddp_settings = known_ddp(ddp)
+            run.announcer = GradientAnnouncer(self.first_readers, order)
         anchor = torch.empty(0, requires_grad=True)  # makes the output differentiable even when the input is data
         flat_inputs = [t for t in tree_flatten((first, extra))[0] if isinstance(t, torch.Tensor)]
         outputs = _Capture.apply(run, *_Schedule.apply(run, anchor, *flat_inputs))

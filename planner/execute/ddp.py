@@ -12,6 +12,7 @@ the averages back into ``.grad`` before ``backward()`` returns. :func:`active_dd
 :func:`check_ddp` refuses in one line what cannot run so. Memory: docs/model.md, "Data parallelism (DDP)".
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,20 @@ class DDPSettings:
     gradients: tuple
 
 
+_KNOWN = weakref.WeakKeyDictionary()  # DDP -> (hooks registered, bucket order, DDPSettings): read once per DDP
+
+
+def known_ddp(ddp) -> tuple:
+    """``(order, settings)`` of a ``DistributedDataParallel``: ``{id(parameter): position}`` in its bucket order
+    (the reverse of its module's parameters, for :class:`GradientAnnouncer`) and its :class:`DDPSettings`, read
+    again only once a communication hook is registered."""
+    hooks = len(getattr(ddp, "_comm_hooks", ()))
+    if ddp not in _KNOWN or _KNOWN[ddp][0] != hooks:
+        order = {id(parameter): -k for k, parameter in enumerate(ddp.module.parameters())}
+        _KNOWN[ddp] = hooks, order, ddp_settings(ddp)
+    return _KNOWN[ddp][1:]
+
+
 def ddp_settings(ddp) -> DDPSettings:
     """The :class:`DDPSettings` of a ``DistributedDataParallel``."""
     hooks = list(getattr(ddp, "_comm_hooks", ()))
@@ -90,16 +105,16 @@ class GradientAnnouncer:
 
     ``first_readers``: ``{id(parameter): the lowest stage reading it}`` for the parameters several stages read
     (as :class:`planner.execute.autograd.TiedGradients` takes them); any other parameter is complete after the
-    backward of its own stage. ``ddp``: the DDP; the gradients a backward completes are announced together, in
-    DDP's own bucket order (the reverse of its module's parameters). DDP rebuilds its buckets once, in the order
-    the gradients arrived in the first step: announced so, they stay DDP's initial ones. (A plain step completes
-    them in the order its eager backward runs, which a stage's captured graph does not keep; a hook drawing random
-    projections bucket by bucket, PowerSGD, depends on that order.)
+    backward of its own stage. ``order``: DDP's bucket order (:func:`known_ddp`, the reverse of its module's
+    parameters), in which the gradients a backward completes are announced together. DDP rebuilds its buckets
+    once, in the order the gradients arrived in the first step: announced so, they stay DDP's initial ones. (A
+    plain step completes them in the order its eager backward runs, which a stage's captured graph does not keep;
+    a hook drawing random projections bucket by bucket, PowerSGD, depends on that order.)
     """
 
-    def __init__(self, first_readers: dict, ddp):
+    def __init__(self, first_readers: dict, order: dict):
         self.first_readers = first_readers
-        self.position = {id(parameter): -k for k, parameter in enumerate(ddp.module.parameters())}
+        self.position = order
 
     def after_backward(self, stages, parameters) -> None:
         """After the backward of ``stages`` (a graph's) added the gradients of ``parameters`` (those needing
