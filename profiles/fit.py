@@ -442,8 +442,9 @@ class FittedModel(torch.nn.Module):
         refuse_resharded(self, self._current.plan)
         planned = self._plan_for(args, kwargs)
         output = planned.run(*planned.discovery.chain_inputs(args, kwargs))
-        if self._told_ddp is None and planned.run.ddp_settings is not None:  # the first step inside DDP
-            self._told_ddp = ddp_line(planned.run.ddp_settings, lambda: self.ddp)
+        settings = getattr(planned.run, "ddp_settings", None)  # (a graph plan's run has none)
+        if self._told_ddp is None and settings is not None:  # the first step inside DDP
+            self._told_ddp = ddp_line(settings, lambda: self.ddp)
             self._say(self._told_ddp)
         return planned.discovery.output(output) if self.returns == "output" else output
 
