@@ -10,6 +10,8 @@ trees of tensors. Hold no reference to the returned output across ``backward()``
 ``loss_fn(model(x)).backward()``). How it runs, fuses stages and moves data: docs/execution.md.
 """
 
+import warnings
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -88,7 +90,7 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse and update is None and zero is None, measured_on, source,
-                        recomputes, compile, update, zero)
+                        recomputes, compile, update, zero, accumulates=setup.accumulate > 1)
 
 
 def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool = False, optimizer: str = "adam",
@@ -185,8 +187,10 @@ class PlannedChain(torch.nn.Module):
     """
 
     def __init__(self, pairs, schedule, fuse: bool = True, measured_on=None, source: str = "plan", recomputes=None,
-                 compile: bool = False, update: tuple = None, zero: int = None):
+                 compile: bool = False, update: tuple = None, zero: int = None, accumulates: bool = False):
         super().__init__()
+        self.accumulates = accumulates  # solved for micro-batches that start with every gradient held
+        self.told_unplanned_gradients = False
         self.compiled = compile
         self._compiled_stages = {}
         self.recomputes = dict(recomputes or {})  # stage -> what its F_all recomputes (planner/execute/selective.py)
@@ -235,6 +239,19 @@ class PlannedChain(torch.nn.Module):
             merged = isinstance(module, MergedStages)
             self._compiled_stages[i] = CompiledRun(module) if merged else torch.compile(module, dynamic=False)
         return self._compiled_stages[i]
+
+    def check_gradients_planned(self) -> None:
+        """Before a backward: say once, in one line, that gradients are already in ``.grad`` when the plan was solved
+        for a step that starts without them (accumulation it was not told about: they are held from the step's
+        start, which its peak does not count)."""
+        if self.accumulates or self.told_unplanned_gradients:
+            return
+        if any(p.grad is not None for p in self.graph_parameters(tuple(range(len(self.stages))))):
+            self.told_unplanned_gradients = True
+            warnings.warn("gradients are in .grad before the planned backward, which the plan does not count (it "
+                          "was solved for a step that starts without them): its peak can pass the budget; plan the "
+                          "accumulation (fit(..., accumulate=K), memsched solve --accumulate K) or set the gradients "
+                          "to None before each step (optimizer.zero_grad())", stacklevel=2)
 
     def graph_parameters(self, stages) -> list:
         """The parameters of ``stages`` (a fused graph's), each once."""
@@ -303,6 +320,8 @@ class _Schedule(torch.autograd.Function):
         planned = run.planned
         if planned.updates is not None:
             planned.updates.check_no_gradients()
+        else:
+            planned.check_gradients_planned()
         with torch.enable_grad():
             for position in planned.backward_positions:
                 run.run(position)

@@ -11,6 +11,7 @@ solved without accumulation (today's) under-predicts the later micro-batches by 
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -217,6 +218,26 @@ def test_an_accumulating_plan_runs_eagerly():
     with pytest.raises(MemschedError, match="does not mix with --compile"):
         apply_plan(stages, plan, compile=True)
     assert not apply_plan(stages, plan).continued  # each stage's backward on its own
+
+
+def test_accumulation_the_plan_was_not_told_about_is_said_once_in_one_line():
+    """Issue 38: a plan solved without accumulation, run with gradients already in .grad, holds them from the step's
+    start, which its peak does not count (1.045x its prediction on GPT-2, 1.40x on a tiny BART): said once, in one
+    line naming accumulate=; an accumulating plan and a step from no gradient say nothing."""
+    stages = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    for setup, said in ((TrainingSetup(), True), (TrainingSetup(accumulate=2), False)):
+        run = apply_plan(stages, solve(_two_stages(), 300, "rotor", setup=setup))
+        stages.zero_grad()
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            run(x).sum().backward()  # from no gradient
+            run(x).sum().backward()  # accumulated into the first's
+            run(x).sum().backward()
+        told = [str(w.message) for w in first if "accumulate=K" in str(w.message)]
+        assert len(told) == (1 if said else 0), [str(w.message) for w in first]
+        for message in told:
+            one_line(MemschedError(message), "does not count", "zero_grad()")
 
 
 SMALL = "gpt-tiny:layers=3,d=32,heads=2,seq=16,vocab=64,batch=4"
