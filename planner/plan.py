@@ -9,6 +9,8 @@ for; :func:`load_plan` checks the fields only (:func:`planner.simulate.check_pla
 schedules without the problem).
 """
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +34,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # each but the first (PyTorch's schedules), and at least one sample of the batch.
 MAX_MICRO_BATCHES = 2**20
 _PLAN_FIELDS = ("format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "transfer", "pipeline",
-                "update", "host_stages", "accumulate", "setup")
+                "update", "host_stages", "accumulate", "setup", "check")
 _PIPELINE_FIELDS = ("schedule", "micro_batches", "bandwidth", "latency", "setup", "devices", "shared")
 _DEVICE_FIELDS = ("first", "last", "schedule", "peak_bytes", "time")
 _PREDICTED_FIELDS = ("peak_bytes", "time", "baseline_time", "overhead")
@@ -144,7 +146,12 @@ class Plan:
                 - len({op.stage for op in self.schedule if op.kind in FORWARD_OPS}))
 
     def to_dict(self) -> dict:
-        """The ``memsched.plan/1`` JSON object."""
+        """The ``memsched.plan/1`` JSON object, its ``check`` (:func:`plan_check`) last."""
+        fields = self._fields()
+        return {**fields, "check": plan_check(fields)}
+
+    def _fields(self) -> dict:
+        """Every field of the JSON object but ``check``."""
         if self.kind == "pipeline":
             return {**self._common_dict(), "pipeline": self.pipeline.to_dict()}
         return {
@@ -206,7 +213,7 @@ class Plan:
         if accumulate > 1 and kind != "chain":
             raise MemschedError(f"{where}: only a plan of kind 'chain' accumulates gradients over micro-batches "
                                 f"(accumulate {accumulate}), not one of kind {kind!r}")
-        sizing = None if data.get("setup") is None else _sizing(data["setup"], f"{where}: setup")
+        sizing = None if "setup" not in data else _sizing(data["setup"], f"{where}: setup")
         problem = _object(validate.require(data, "problem", where), f"{where}: problem")
         validate.reject_unknown(problem, ("name", "fingerprint", "measured_on"), f"{where}: problem")
         solver = _object(validate.require(data, "solver", where), f"{where}: solver")
@@ -257,13 +264,50 @@ class Plan:
         )
         if kind == "chain":
             check(plan.setup, Run(transfers=plan.moves_data), where=where)
+        _check_itself(plan, data, where)
         return plan
 
 
+def plan_check(fields: dict) -> str:
+    """``sha256:HEX`` of a plan's JSON fields (all but ``check``) as canonical JSON (keys sorted, no spaces): what
+    :meth:`Plan.to_dict` writes as ``check``, so that a plan edited or damaged since is found on load."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_plan_itself(plan: Plan, where: str = "plan") -> None:
+    """Refuse in one line a plan that contradicts itself: a budget of no bytes, or a predicted peak above its budget
+    (no solver writes that: the plan was edited)."""
+    if plan.budget_bytes < 1:
+        raise MemschedError(f"{where}: budget_bytes is {plan.budget_bytes}: a plan's budget is at least 1 byte; "
+                            "solve again with the budget you mean")
+    if plan.predicted.peak_bytes > plan.budget_bytes:
+        raise MemschedError(f"{where}: predicted.peak_bytes {plan.predicted.peak_bytes} is above budget_bytes "
+                            f"{plan.budget_bytes}: no solver writes that (the plan was edited); solve again for the "
+                            "budget you mean")
+
+
+def _check_itself(plan: Plan, data: dict, where: str) -> None:
+    """:func:`check_plan_itself`, then: refuse contents that are not those the plan's ``check`` was written for
+    (edited by hand, damaged). A plan without a ``check`` (written before memsched recorded one, or an edit taken
+    as its author's) is checked field by field only."""
+    check_plan_itself(plan, where)
+    recorded = data.get("check")
+    if recorded is not None and recorded != plan_check({key: value for key, value in data.items() if key != "check"}):
+        raise MemschedError(f"{where}: its contents are not those its check was written for (edited by hand or "
+                            "damaged: budget, update, accumulate, setup or schedule changed); solve again, or drop "
+                            "'check' to take the edit as yours (checked field by field only)")
+
+
 def _sizing(raw, where: str) -> dict:
-    """A plan's ``setup`` object: the fields of :meth:`TrainingSetup.sizing`, valid as a setup's."""
+    """A plan's ``setup`` object: every field of :meth:`TrainingSetup.sizing`, valid as a setup's."""
     raw = _object(raw, where)
-    validate.reject_unknown(raw, tuple(TrainingSetup().sizing()), where)
+    fields = tuple(TrainingSetup().sizing())
+    validate.reject_unknown(raw, fields, where)
+    missing = [field for field in fields if field not in raw]
+    if missing:
+        raise MemschedError(f"{where} lacks {', '.join(missing)}: a plan's setup holds all of {', '.join(fields)} "
+                            "(or is left out for the default, adam fp32 on one device); solve again")
     try:
         TrainingSetup(**raw)
     except MemschedError as exc:

@@ -28,9 +28,9 @@ from planner.execute.steprun import StepRun
 from planner.execute.updates import StageUpdates
 from planner.measured_on import record_of
 from planner.ops import FORWARD_OPS, TRANSFER_OPS, chosen_options, planned_stages
-from planner.plan import Plan, check_plan_matches
+from planner.plan import Plan, check_plan_itself, check_plan_matches
 from planner.setup import Run, TrainingSetup, check
-from planner.simulate import check_schedule
+from planner.simulate import check_schedule, check_within_budget
 
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
@@ -122,7 +122,10 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
 
     Raises:
         MemschedError: a plan of another kind; one moving data without a copy channel (``transfer``); a plan for
-            another number of stages, another chain (its fingerprint) or other stage names; stages whose
+            another number of stages, another chain (its fingerprint) or other stage names; a plan contradicting
+            itself (a budget of 0, a predicted peak above its budget: :func:`planner.plan.check_plan_itself`) or,
+            with ``chain``, whose schedule replayed under its setup peaks above its budget (an edited plan:
+            :func:`planner.simulate.check_within_budget`); stages whose
             parameters differ from those it was measured on (planner/measured_on.py: naming the difference); a
             setup that does not mix with this run (``compile``, transfers, options); and whatever
             :func:`apply_schedule` refuses.
@@ -138,8 +141,10 @@ def apply_plan(stages, plan: Plan, chain=None, fuse: bool = True, compile: bool 
         raise MemschedError("the plan moves data between device and host but records no copy channel "
                             "('transfer'); solve it again with a channel (--bandwidth 16GB/s)")
     _stage_count(plan.schedule, pairs)
+    check_plan_itself(plan)
     if chain is not None:
         check_plan_matches(plan, chain, kind="chain")
+        check_within_budget(chain, plan)
         names, expected = [name for name, _ in pairs], [stage.name for stage in chain.stages]
         if names != expected:
             mismatch = next(k for k, (a, b) in enumerate(zip(names, expected)) if a != b)

@@ -21,7 +21,7 @@ from planner.simulate.pipeline import pipeline_result, to_local
 from planner.simulate.replay import ScheduleError
 from planner.transfer import Transfer
 
-__all__ = ["simulate", "check_schedule", "check_plan_schedules", "micro_batch_peaks"]
+__all__ = ["simulate", "check_schedule", "check_plan_schedules", "check_within_budget", "micro_batch_peaks"]
 
 _NO_SIZES = Stage(name="", fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0)
 _NO_OPTION = StageOption(recompute=(), fwd_time=0.0, bwd_time=0.0, saved_bytes=0, own_saved_bytes=0)
@@ -86,6 +86,17 @@ def micro_batch_peaks(chain: Chain, plan: Plan) -> tuple:
     if plan.accumulate == 1:
         return (later,)
     return (ChainSimulator(chain).run(plan.schedule).peak_bytes,) + (later,) * (plan.accumulate - 1)
+
+
+def check_within_budget(problem, plan: Plan, where: str = "plan") -> None:
+    """Refuse in one line a plan whose schedule, replayed on ``problem`` under its setup, peaks above its budget:
+    run, it would pass the budget it records (a plan edited so that its figures no longer hold: an update dropped or
+    moved, accumulation added)."""
+    peak = simulate(problem, plan).peak_bytes
+    if peak > plan.budget_bytes:
+        raise MemschedError(f"{where}: its schedule peaks at {peak} bytes on this {plan.kind} under its setup, above "
+                            f"its budget_bytes {plan.budget_bytes} (it records {plan.predicted.peak_bytes}): the "
+                            "plan was edited; solve again")
 
 
 def check_schedule(schedule, length: int) -> None:

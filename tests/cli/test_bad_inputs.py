@@ -60,9 +60,14 @@ def docs():
     offload = dataclasses.replace(plan, solver="hand", schedule=OFFLOAD_SCHEDULE, transfer=Transfer(1e9, 1e9))
     simulate(chain, offload)  # valid as it stands
     graph = Graph.from_dict(GRAPH)
-    return {"chain": CHAIN, "graph": GRAPH, "plan": plan.to_dict(), "offload_plan": offload.to_dict(),
-            "pipeline_plan": partition(chain, 2, 2**30, 2).to_dict(),
-            "graph_plan": solve_graph(graph, 10**6, "store_all").to_dict()}
+    plans = {"plan": plan, "offload_plan": offload, "pipeline_plan": partition(chain, 2, 2**30, 2),
+             "graph_plan": solve_graph(graph, 10**6, "store_all")}
+    # without their check: each bad one below is an edit taken as its author's, checked field by field
+    return {"chain": CHAIN, "graph": GRAPH, **{name: _unchecked(plan.to_dict()) for name, plan in plans.items()}}
+
+
+def _unchecked(plan: dict) -> dict:
+    return {key: value for key, value in plan.items() if key != "check"}
 
 
 @pytest.fixture(scope="module")

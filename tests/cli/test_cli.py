@@ -227,13 +227,20 @@ def test_installed_console_script(tmp_path):
     assert done.stderr == ""
 
 
-def test_show_flags_an_edited_plan_and_draws_the_budget_below_the_peak(files, tmp_path, capsys):
+def test_show_flags_an_edited_plan_and_draws_the_budget(files, tmp_path, capsys):
+    """An edit taken as its author's (its check dropped) is shown, what it records against this simulation; with
+    its check kept, or with a budget below its own predicted peak, it is refused in one line (issue 38)."""
     data = json.loads(Path(files["plan"]).read_text())
-    data["budget_bytes"] = data["predicted"]["peak_bytes"] // 2
     data["predicted"]["time"] += 1.0
-    edited = _write(tmp_path, "edited.json", json.dumps(data))
-    assert cli.main(["show", edited, "--chain", files["chain"]]) == 0
+    one_error_line(cli.main(["show", _write(tmp_path, "edited.json", json.dumps(data)), "--chain", files["chain"]]),
+                   *capsys.readouterr(), "not those its check was written for", "drop 'check'")
+    del data["check"]
+    data["budget_bytes"] = data["predicted"]["peak_bytes"] * 2
+    assert cli.main(["show", _write(tmp_path, "edited.json", json.dumps(data)), "--chain", files["chain"]]) == 0
     stdout = capsys.readouterr().out
     assert "prediction differs from this simulation" in stdout
     rows = [line for line in stdout.splitlines() if re.match(r"^\s*[0-9.]+ [KMG]?i?B \|", line)]
-    assert not rows[0].endswith(" budget") and sum(row.endswith(" budget") for row in rows) == 1
+    assert rows[0].endswith(" budget") and sum(row.endswith(" budget") for row in rows) == 1
+    data["budget_bytes"] = data["predicted"]["peak_bytes"] // 2
+    one_error_line(cli.main(["show", _write(tmp_path, "edited.json", json.dumps(data))]), *capsys.readouterr(),
+                   "is above budget_bytes")

@@ -290,9 +290,11 @@ def unvalidated_plan(chain, schedule) -> Plan:
 
 @pytest.fixture
 def unchecked(monkeypatch):
-    """``apply_plan`` without the schedule check it makes first (planner/simulate/chain.py ``check_schedule``, which
-    refuses these schedules in one line; tests/cli/test_bad_inputs.py): the executor's own guards are what is tested."""
+    """``apply_plan`` without the checks it makes first (planner/simulate's ``check_schedule`` and the replay of
+    ``check_within_budget``, which refuse these schedules in one line; tests/cli/test_bad_inputs.py): the executor's
+    own guards are what is tested."""
     monkeypatch.setattr("planner.execute.chain.check_schedule", lambda schedule, length: None)
+    monkeypatch.setattr("planner.execute.chain.check_within_budget", lambda problem, plan: None)
 
 
 def test_a_saved_item_read_by_the_backward_on_the_host_fails_loudly(models, unchecked):

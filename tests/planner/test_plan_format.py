@@ -59,7 +59,8 @@ def test_plan_json_layout(rotor_plan, tmp_path):
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     data = json.loads(path.read_text())
-    assert set(data) == {"format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule"}
+    assert set(data) == {"format", "kind", "problem", "solver", "budget_bytes", "predicted", "schedule", "check"}
+    assert list(data)[-1] == "check" and data["check"].startswith("sha256:") and len(data["check"]) == 7 + 64
     assert data["format"] == "memsched.plan/1"
     assert data["kind"] == "chain"
     assert set(data["problem"]) == {"name", "fingerprint"}
@@ -209,3 +210,67 @@ def test_plan_accepted_on_its_own_chain(rotor_plan):
     check_plan_matches(plan, chain)
     check_plan_matches(plan, Chain.from_dict(json.loads(json.dumps(chain.to_dict()))))
     assert simulate(chain, plan).peak_bytes == plan.predicted.peak_bytes
+
+
+# --- a plan checked against itself (issue 38): nothing edited or damaged runs over its budget ---------------------
+
+def _edited(data: dict, **fields) -> dict:
+    return {**copy.deepcopy(data), **fields}
+
+
+@pytest.mark.parametrize("fields, fragments", [
+    ({"budget_bytes": 0}, ["budget_bytes is 0", "at least 1 byte"]),
+    ({"budget_bytes": "peak - 1"}, ["is above budget_bytes", "edited"]),
+    ({"setup": None}, ["setup must be a JSON object"]),
+    ({"setup": {}}, ["setup lacks optimizer, precision, zero, dp", "solve again"]),
+    ({"setup": {"optimizer": "adam", "precision": "fp32"}}, ["setup lacks zero, dp"]),
+    ({"accumulate": 4}, ["not those its check was written for", "drop 'check'"]),
+    ({"update": "in-backward"}, ["not those its check was written for"]),
+    ({"budget_bytes": "peak"}, ["not those its check was written for"]),
+])
+def test_a_damaged_plan_is_refused_on_load_in_one_line(rotor_plan, tmp_path, fields, fragments):
+    """Every reader of a plan file (memsched show, train --plan, apply_plan after load_plan) loads it here: a budget
+    of 0 (a ZeroDivisionError in show before), a budget below its own predicted peak, a setup null or missing
+    fields, and any field edited under the check memsched wrote (accumulation added, an update moved, the budget
+    lowered to the peak) are each refused in one line."""
+    _, plan = rotor_plan
+    data = plan.to_dict()
+    peak = data["predicted"]["peak_bytes"]
+    fields = {key: {"peak - 1": peak - 1, "peak": peak}.get(value, value) if isinstance(value, str) else value
+              for key, value in fields.items()}
+    with pytest.raises(MemschedError) as error:
+        load_plan(write_text(tmp_path / "plan.json", json.dumps(_edited(data, **fields))))
+    one_line(error, *fragments)
+
+
+def test_a_plan_run_over_its_budget_is_refused_by_apply_plan(rotor_plan):
+    """An edit taken as its author's (its check dropped) loads, but apply_plan with the chain replays it: with
+    accumulation added, or an update inside the backward dropped, the schedule would pass the budget it records."""
+    import torch
+
+    from planner.chain import Loss, Stage
+    from planner.execute.chain import apply_plan
+    from planner.setup.training import TrainingSetup
+    from solvers import solve
+
+    chain, plan = rotor_plan
+    stages = {stage.name: torch.nn.Identity() for stage in chain.stages}
+    tight = dataclasses.replace(plan, budget_bytes=plan.predicted.peak_bytes)
+    apply_plan(stages, tight, chain)  # as solved: runs
+    accumulating = {key: value for key, value in tight.to_dict().items() if key != "check"}
+    with pytest.raises(MemschedError) as error:
+        apply_plan(stages, Plan.from_dict(dict(accumulating, accumulate=4)), chain)
+    one_line(error, "peaks at", f"above its budget_bytes {tight.budget_bytes}", "edited")
+    # two stages whose gradients (1000 bytes) outweigh their activations: the update inside the backward frees them
+    heavy = Chain(name="heavy", device="cpu", input_bytes=10, loss=Loss(), stages=tuple(
+        Stage(name, 1.0, 1.0, out_bytes=20, saved_bytes=20, param_bytes=1000) for name in ("a", "b")))
+    in_backward = solve(heavy, 10**6, "rotor", setup=TrainingSetup(update="in-backward"))
+    dropped = {key: value for key, value in in_backward.to_dict().items() if key not in ("update", "check")}
+    dropped["budget_bytes"] = dropped["predicted"]["peak_bytes"]
+    assert simulate(heavy, Plan.from_dict(dropped)).peak_bytes > in_backward.predicted.peak_bytes  # it would pass
+    with pytest.raises(MemschedError) as error:
+        apply_plan({"a": torch.nn.Identity(), "b": torch.nn.Identity()}, Plan.from_dict(dropped), heavy)
+    one_line(error, "peaks at", "edited")
+    with pytest.raises(MemschedError) as error:
+        apply_plan(stages, dataclasses.replace(plan, budget_bytes=0))
+    one_line(error, "budget_bytes is 0")
