@@ -230,8 +230,8 @@ class PlannedChain(torch.nn.Module):
         # A tied parameter's gradient is summed over its stages before it is added into .grad (TiedGradients).
         self.first_readers = {id(parameter): entry.stages[0] for entry, parameter in find_shared(pairs)}
         self.updates = None if update is None else StageUpdates(self.modules_in_order, *update)
-        # what DistributedDataParallel cannot wrap (planner/execute/ddp.py), None when it can
         self.ddp_settings = None  # planner.execute.ddp.DDPSettings of the DDP the last step ran in
+        # what DistributedDataParallel cannot wrap (planner/execute/ddp.py), None when it can
         self.not_for_ddp = ("that updates inside the backward" if update is not None else
                             "that moves data to the host" if moves_data else
                             "on sharded stages" if zero is not None else None)

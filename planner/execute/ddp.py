@@ -28,7 +28,7 @@ def active_ddp(module: torch.nn.Module):
 
     ddp = DistributedDataParallel._get_active_ddp_module()
     mine = next(module.parameters(), None)
-    if ddp is None or mine is None or not any(p is mine for p in ddp.module.parameters()):
+    if ddp is None or mine is None or id(mine) not in known_ddp(ddp)[0]:  # its parameters' ids, read once
         return None
     return ddp
 
