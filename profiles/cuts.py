@@ -304,6 +304,17 @@ def merged(pieces: list, max_stages) -> list:
     return merged
 
 
+def joined(pieces: list, later: list) -> list:
+    """``pieces`` with each piece whose index is in ``later`` joined into the one before it."""
+    whole = []
+    for k, piece in enumerate(pieces):
+        if k in later and whole:
+            whole[-1] = _joined(whole[-1], piece)
+        else:
+            whole.append(piece)
+    return whole
+
+
 def _joined(before, after):
     return Piece(before.nodes + after.nodes, before.incoming, after.outgoing)
 

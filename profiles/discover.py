@@ -17,8 +17,10 @@ through one tensor only:
    values aside). Residual blocks are cut between blocks, not inside them.
 3. **Stages.** The pieces between cuts, a piece that calls no parameter merged into the one before it (into the
    next for the first), and, with ``max_stages``, the two neighbours with the deepest common module merged
-   until that many remain. Each stage is a ``torch.fx.GraphModule`` that refers to the model's own parameters
-   and buffers (tied ones stay one tensor); its name is the module that holds it (``transformer.h.3``).
+   until that many remain; then two stages whose cut carries a value neither of their backwards keeps (frozen
+   weights save no input: profiles/loose_cuts.py) are one. Each stage is a ``torch.fx.GraphModule`` that refers
+   to the model's own parameters and buffers (tied ones stay one tensor); its name is the module that holds it
+   (``transformer.h.3``).
 4. **Checked.** The staged forward, prelude and stages, must give the loss the unmodified model gives with the
    same random seed, bit for bit (both run without autograd, so that discovery allocates no activation graph);
    buffers the model writes (BatchNorm statistics) are listed on each stage that reads them, so that a
@@ -50,6 +52,7 @@ from planner.measured_on import TensorSpec
 from profiles.cuts import (
     Cut,
     OutputNotReturned,
+    joined,
     leaf_name,
     merged,
     modules_of,
@@ -58,6 +61,7 @@ from profiles.cuts import (
     stage_module,
     stage_names,
 )
+from profiles.loose_cuts import loose_cuts
 from profiles.precision import eager_batch_norm, with_autocast_casts
 
 VERIFY_SEED = 12345
@@ -177,15 +181,21 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
     graph_module = _export(step, tensors, name)
     cut = Cut(graph_module, tensors, written, name)
     pieces = merged(cut.pieces(), max_stages)
-    shared = cut.later_shared(pieces)
-    stages, reports = [], []
-    for piece, stage_name in zip(pieces, stage_names([piece.nodes for piece in pieces])):
-        module = stage_module(graph_module, piece, shared, written)
-        stages.append((stage_name, module))
-        reports.append(StageReport(stage_name, modules_of(piece.nodes), len(piece.nodes),
-                                   sum(p.numel() for p in module.parameters())))
-    prelude = prelude_module(graph_module, cut, [pieces[0].incoming] + shared)
-    staged = StagedModel(name=name, stages=stages, example_inputs=tuple(prelude(*tensors)), loss_fn=returned_loss)
+    while True:  # a cut whose value no backward keeps joins its two stages (profiles/loose_cuts.py)
+        shared = cut.later_shared(pieces)
+        stages, reports = [], []
+        for piece, stage_name in zip(pieces, stage_names([piece.nodes for piece in pieces])):
+            module = stage_module(graph_module, piece, shared, written)
+            stages.append((stage_name, module))
+            reports.append(StageReport(stage_name, modules_of(piece.nodes), len(piece.nodes),
+                                       sum(p.numel() for p in module.parameters())))
+        prelude = prelude_module(graph_module, cut, [pieces[0].incoming] + shared)
+        staged = StagedModel(name=name, stages=stages, example_inputs=tuple(prelude(*tensors)),
+                             loss_fn=returned_loss)
+        loose = loose_cuts(stages, staged.example_inputs)
+        if not loose:
+            break
+        pieces = joined(pieces, loose)
     discovery = Discovery(staged, prelude, treespec, tuple(_leaf_spec(leaf) for leaf in leaves),
                           shared_names(cut, shared, (args, kwargs)), tuple(reports),
                           {key: value for key, value in kwargs.items() if key not in _as_dict(example_inputs)},

@@ -245,8 +245,9 @@ class FittedModel(torch.nn.Module):
         # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
         self.forward = types.MethodType(_forward_as(model), self)
 
-    def _planned(self, example_inputs) -> _Planned:
-        """Discover, profile and solve for inputs laid out as ``example_inputs``."""
+    def _planned(self, example_inputs, estimated=False) -> _Planned:
+        """Discover, profile and solve for inputs laid out as ``example_inputs``; ``estimated``: profiled on fake
+        tensors (a replanning call, inside the user's step: see :meth:`_solved`)."""
         s, say, started = self._settings, self._say, time.perf_counter()
         name = type(self.model).__name__
         say(f"fit: discovering {name}'s stages...")
@@ -264,7 +265,7 @@ class FittedModel(torch.nn.Module):
             return planned
         options = dict(s["options"])
         optimizer, lr = options.pop("optimizer"), options.pop("lr")
-        chain, plan = one_plan(lambda: self._solved(discovery, started, options))
+        chain, plan = one_plan(lambda: self._solved(discovery, started, options, estimated))
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
         homes = parameter_homes(self.model, staged.stages) if plan.setup.sharded else ()
@@ -274,9 +275,12 @@ class FittedModel(torch.nn.Module):
         self._plans.append(planned)
         return planned
 
-    def _solved(self, discovery, started, options) -> tuple:
+    def _solved(self, discovery, started, options, estimated=False) -> tuple:
         """``(chain, plan)`` for ``discovery``'s stages: profiled (refusing the budget as soon as it is known to lie
-        below the floor), then solved for the budget."""
+        below the floor), then solved for the budget. ``estimated``: profiled on fake tensors, its seconds from
+        counted FLOPs, as for a target device: a replanning call runs inside the user's step, where measuring the
+        stages at the new shape (their inputs kept for the options) would itself pass the budget (5.6× it for an
+        MLP called at 4× its batch)."""
         s, say, staged, ordered = self._settings, self._say, discovery.staged, []
         name = type(self.model).__name__
 
@@ -284,9 +288,11 @@ class FittedModel(torch.nn.Module):
             return refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
 
         target = s["device_spec"]
-        with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if target else
+        faked = target is not None or estimated
+        with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if faked else
               contextlib.nullcontext(staged.example_inputs)) as inputs:
-            chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if target else check)
+            chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if faked else check,
+                                   estimated=estimated)
         budget = None if s["budget"] == "auto" else budget_bytes(s["budget"], chain, s["setup"])
         if target:  # never more than the target's memory leaves beside the resident state
             left = activation_budget(chain, s["setup"], target.step_memory_bytes())
@@ -323,14 +329,16 @@ class FittedModel(torch.nn.Module):
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return Estimate(discovery.staged.name, trainable, chain)
 
-    def _profiled(self, discovery, inputs, say, check=None):
-        """The chain of ``discovery``'s stages profiled on ``inputs`` (fake ones for a target device: estimated
-        once, its figures the same on every run), what the call returns beside the loss held by the caller."""
+    def _profiled(self, discovery, inputs, say, check=None, estimated=False):
+        """The chain of ``discovery``'s stages profiled on ``inputs`` (fake ones for a target device, or
+        ``estimated``: estimated once, its figures the same on every run), what the call returns beside the loss
+        held by the caller."""
         s, target, staged = self._settings, self._settings["device_spec"], discovery.staged
+        estimated = estimated or target is not None
         with self.precision.profiling():
-            chain = profile_chain(staged.stages, inputs, loss_fn=returned_loss, warmup=0 if target else s["warmup"],
-                                  repeats=1 if target else s["repeats"], name=staged.name,
-                                  options=s["stage_options"], say=say, check=check, estimate=target is not None,
+            chain = profile_chain(staged.stages, inputs, loss_fn=returned_loss, warmup=0 if estimated else s["warmup"],
+                                  repeats=1 if estimated else s["repeats"], name=staged.name,
+                                  options=s["stage_options"], say=say, check=check, estimate=estimated,
                                   device_spec=target)
         return held_by_caller(chain, discovery.returned_bytes)
 
@@ -467,7 +475,7 @@ class FittedModel(torch.nn.Module):
         except MemschedError:
             if not (self.replan or self._only_added_keywords(args, kwargs)):
                 raise
-            self._current = self._matching(args, kwargs) or self._planned(_example(args, kwargs))
+            self._current = self._matching(args, kwargs) or self._planned(_example(args, kwargs), estimated=True)
         return self._current
 
     def _only_added_keywords(self, args, kwargs) -> bool:
@@ -496,17 +504,21 @@ class FittedModel(torch.nn.Module):
 def held_by_caller(chain, held: int):
     """``chain`` with ``held`` bytes of its last stage's output (what the call returns beside the loss) held by the
     caller to the step's end, in the chain model's terms: no gradient comes back for them (``out_bytes``, which
-    is ``δ_L``'s size, less ``held``), the loss does not release them (``own_saved_bytes`` gains those no
-    backward saved) and its backward leaves them (``param_bytes``, what a backward leaves to the step's end,
-    gains them all). The loss itself is taken to be saved by nothing (a scalar)."""
+    is ``δ_L``'s size, less ``held``), the loss releases nothing but itself (``own_saved_bytes``, the stage's and
+    each option's, is all it keeps but the loss: an option counts none of its outputs as kept by its backward,
+    the stage those no backward saved) and its backward leaves them (``param_bytes``, what a backward leaves to
+    the step's end, gains them all). The loss itself is taken to be saved by nothing (a scalar)."""
     if not held:
         return chain
     last = chain.stages[-1]
     loss_bytes = last.out_bytes - held
-    unsaved = max(0, last.saved_bytes - last.own_saved_bytes - loss_bytes)  # returned values no backward saved
-    options = tuple(dataclasses.replace(o, own_saved_bytes=o.own_saved_bytes + unsaved) for o in last.options)
-    stage = dataclasses.replace(last, out_bytes=loss_bytes, own_saved_bytes=last.own_saved_bytes + unsaved,
-                                param_bytes=last.param_bytes + held, options=options)
+
+    def holding(figures):
+        return dataclasses.replace(figures, own_saved_bytes=max(figures.own_saved_bytes,
+                                                                figures.saved_bytes - loss_bytes))
+
+    stage = dataclasses.replace(holding(last), out_bytes=loss_bytes, param_bytes=last.param_bytes + held,
+                                options=tuple(holding(option) for option in last.options))
     return dataclasses.replace(chain, stages=chain.stages[:-1] + (stage,))
 
 

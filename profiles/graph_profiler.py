@@ -65,7 +65,7 @@ def _measure(joint: JointGraph, fake_mode, warmup: int, repeats: int, throughput
     sizes = {}
     with preserved_joint_state(joint), (fake_mode or contextlib.nullcontext()), quiet_fake_tensor_log():
         fixed = joint.fixed_values(joint.example_inputs, fake_mode)
-        meter = LiveMemoryTracker() if fake_mode else memory_meter(joint.device)
+        meter = LiveMemoryTracker(fake=True) if fake_mode else memory_meter(joint.device)
         with meter:
             run = GroupRun(joint, fixed)
             for op in schedule:

@@ -9,7 +9,10 @@ window with gradients already ``None`` and optimizer state already created. A st
 counted one changes by the difference, one from before the window counts from when it grows from empty. The
 selective-checkpoint policy predicts its peak with it (on fake tensors); the profilers and tests measure with it
 (:func:`profiles.memory.memory_meter`). With ``size_of`` each storage counts as that function of its bytes: an
-estimate for a CUDA device counts the blocks its allocator would hand out (planner/allocator.py).
+estimate for a CUDA device counts the blocks its allocator would hand out (planner/allocator.py). A fake
+tensor's storage (on the ``meta`` device) holds no memory: only a tracker made with ``fake=True`` (an estimate
+on fake tensors) counts it, so that a step which traces something on fake tensors (``torch.export`` in a
+replanning call) is measured for what it really allocates.
 """
 
 import weakref
@@ -31,11 +34,13 @@ def _resize_seen(storage, size):
 
 class LiveMemoryTracker(TorchDispatchMode):
     """Bytes of storages allocated inside the ``with`` block and still alive; and their peak. ``size_of(bytes)``:
-    the bytes one storage counts as (default: its own)."""
+    the bytes one storage counts as (default: its own); ``fake``: count fake tensors' storages (an estimate),
+    else only those that hold memory."""
 
-    def __init__(self, size_of=None):
+    def __init__(self, size_of=None, fake: bool = False):
         super().__init__()
         self._size_of = size_of or (lambda size: size)
+        self._fake = fake
         self._live = {}  # storage key -> bytes
         self.current = 0
         self.peak = 0
@@ -64,7 +69,7 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def _allocated(self, storage) -> None:
         key = storage._cdata
-        if key in self._live:
+        if key in self._live or (storage.device.type == "meta" and not self._fake):
             return
         size = self._size_of(storage.nbytes())
         self._live[key] = size

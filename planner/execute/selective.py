@@ -390,10 +390,11 @@ class _Selective:
                       if node.op in ("get_attr", "call_module")}
         self.marked = torch.fx.GraphModule(attributes, graph)
         self.marked.train(graph_module.training)
-        # Buffers are read from the module at each call: a recomputed stage runs on throw-away copies of its
-        # running statistics, swapped into the module (planner.execute.autograd.running_statistics_kept).
-        self.buffers = [target for target, value in attributes.items()
-                        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
+        # Parameters and buffers are read from the module at each call: a recomputed stage runs on throw-away
+        # copies of its running statistics, swapped into the module (planner.execute.autograd.
+        # running_statistics_kept), and a stage prepared while its tensors were fake copies (an estimate of a new
+        # shape, profiles/fake_build.py) runs on its own tensors once they are back.
+        self.tensors = [target for target, value in attributes.items() if isinstance(value, torch.Tensor)]
 
     def run(self, module, args):
         run = _Run(self)
@@ -404,14 +405,14 @@ class _Selective:
 
     def forward(self, module, args, run):
         """``module``'s forward on ``args`` through the marked graph, ``run`` taking the notes and saved tensors."""
-        for target in self.buffers:
+        for target in self.tensors:
             try:
                 value = _attribute(module, target)
             except AttributeError:  # the export's own
                 continue
             *path, name = target.split(".")
             owner = _attribute(self.marked, ".".join(path)) if path else self.marked
-            owner._buffers[name] = value
+            (owner._parameters if name in owner._parameters else owner._buffers)[name] = value
         _ACTIVE.append(run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):

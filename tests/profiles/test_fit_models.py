@@ -12,46 +12,13 @@ from torch import nn
 
 import solvers
 from checks import one_line
+from hf_families import mixtral, t5
 from planner.errors import MemschedError
 from planner.execute.live_memory import LiveMemoryTracker
 
 pytest.importorskip("transformers")
 
 FAST = dict(warmup=0, repeats=1)
-
-
-def t5():
-    """A tiny T5 with labels (the decoder's inputs shifted from them; -100 where a label is padding) and padding
-    masks on both sides (without them, Hugging Face skips a mask in eager mode that it builds under a capture, and
-    the attention kernels differ in their last bits)."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 128, (4, 16), generator=generator)
-    labels = torch.randint(2, 128, (4, 12), generator=generator)
-    labels[2, 9:] = -100
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[1, 10:] = 0
-    decoder_mask = (labels != -100).long()
-    return T5ForConditionalGeneration(config).train(), {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                                                        "decoder_attention_mask": decoder_mask}
-
-
-def mixtral():
-    """A tiny Mixtral: 2 layers of 4 experts, 2 per token; a padding mask (see :func:`t5`)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, num_local_experts=4,
-                           num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[1, 12:] = 0
-    return MixtralForCausalLM(config).train(), {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
 
 class ScatterMoE(nn.Module):

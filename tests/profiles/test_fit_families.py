@@ -1,0 +1,74 @@
+"""``fit`` on encoder–decoders, a mixture of experts and the like (tests/hf_families.py), each in a fresh process
+(its plans vary from process to process with the measured seconds): the first two steps of every plan peak within
+1% of their prediction and never above the budget (issue 38).
+
+Before, BART at ``"50%"`` measured 1.029 of its prediction, 1.003× its budget, and Whisper 1.027, 1.006×: a
+stage option of the decoder's stage counted none of its outputs as saved by its backward, so the model freed the
+encoder's last hidden state (returned to the caller, and read by the cross-attention's backward) at the loss.
+A peft LoRA Llama measured 0.96 of its prediction at ``"90%"``: two of its cuts carried values no backward kept
+(frozen weights save no input), which the model held to their backward (now one stage each: profiles/loose_cuts.py).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paths import ROOT
+
+pytest.importorskip("transformers")
+
+CHILD = '''
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, {tests!r})
+from hf_families import FAMILIES
+from planner import fit
+from planner.execute.live_memory import LiveMemoryTracker
+from profiles.memory import storage_bytes
+
+rows = []
+for budget, returns in {cases!r}:
+    model, batch = FAMILIES[{family!r}]()
+    fitted = fit(model, batch, budget, returns=returns, warmup=0, repeats=1, progress=False)
+    peaks = []
+    for step in range(2):
+        torch.manual_seed(step)
+        with LiveMemoryTracker() as tracker:
+            output = fitted(**batch)
+            getattr(output, "loss", output).backward()
+            del output
+        fitted.zero_grad(set_to_none=True)
+        peaks.append(tracker.peak + storage_bytes(list(batch.values())))
+    rows.append([budget, returns, peaks, fitted.predicted.peak_bytes, fitted.plan.budget_bytes,
+                 fitted.plan.recomputed_forwards])
+print(json.dumps(rows))
+'''
+
+MID, LOW = "75%", "50%"
+CASES = {
+    "bart": [(MID, "auto"), (LOW, "auto"), (LOW, "loss")],
+    "whisper": [(MID, "auto"), (LOW, "auto")],
+    "t5": [("70%", "auto")],
+    "mixtral": [("90%", "auto")],
+    "lora": [(LOW, "auto"), ("90%", "auto")],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_each_plan_peaks_at_its_prediction_and_within_its_budget_from_the_first_step(family):
+    if family == "lora":
+        pytest.importorskip("peft")
+    code = CHILD.format(tests=str(ROOT / "tests"), family=family, cases=CASES[family])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for budget, returns, peaks, predicted, budget_bytes, recomputed in json.loads(done.stdout.splitlines()[-1]):
+        case = (family, budget, returns, peaks, predicted, budget_bytes)
+        assert recomputed > 0 or budget == "90%", case  # a plan that recomputes (Mixtral's least is 66.5%)
+        assert all(abs(peak / predicted - 1) <= 0.01 for peak in peaks), case
+        assert all(peak <= budget_bytes for peak in peaks), case
