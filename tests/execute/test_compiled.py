@@ -353,8 +353,8 @@ def test_a_compiled_plan_measures_its_prediction_under_the_tracker():
     compiled functions' Python ran eagerly, and with it each option's selective checkpoint, whose policy is made
     for traced operations: it kept what the plan drops (this mixer read 1.51 of its prediction, a Llama 1.24) and,
     on an eager dropout (``empty_like``, ``bernoulli_``, ``div_``) in some plans, raised "Tensor cached during
-    selective activation checkpoint has been mutated". Now the options run as the eager plan runs them: the first and the second step
-    measure the prediction, the gradients are the eager plan's, and one warning says what ran."""
+    selective activation checkpoint has been mutated". Now the options run as the eager plan runs them: the first
+    and the second step measure the prediction, the gradients are the eager plan's, and one warning says so."""
     import textwrap
     import types
     import warnings
