@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import MemschedError
+from planner.execute.compiled_option import compiles_here
 from planner.execute.compiled_runs import CompiledRun, MergedStages, merged_for_compile
 from planner.execute.ddp import GradientAnnouncer, active_ddp, check_ddp, known_ddp
 from planner.execute.fusion import fused_positions, output_releases
@@ -197,6 +198,7 @@ class PlannedChain(torch.nn.Module):
         self.accumulates = accumulates  # solved for micro-batches that start with every gradient held
         self.told_unplanned_gradients = False
         self.compiled = compile
+        self.told_uncompiled = False
         self._compiled_stages = {}
         self.recomputes = dict(recomputes or {})  # stage -> what its F_all recomputes (planner/execute/selective.py)
         self.unchecked_inputs = None if measured_on is None else (measured_on, source)
@@ -275,6 +277,12 @@ class PlannedChain(torch.nn.Module):
                 else:
                     activation = module(activation, *extra)
             return activation
+        if self.compiled and not self.told_uncompiled and not compiles_here():
+            self.told_uncompiled = True
+            warnings.warn("a compiled plan ran under a TorchDispatchMode (or with torch.compile disabled), where "
+                          "torch.compile compiles nothing: its stages ran their eager operations, whose peak the plan "
+                          "predicts; measure compiled code outside any dispatch mode "
+                          "(profiles.memory.ProfilerMemoryMeter)", stacklevel=2)
         if self.unchecked_inputs is not None:
             measured, source = self.unchecked_inputs
             measured.check_inputs(input_specs((first, *extra)), source)

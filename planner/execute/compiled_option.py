@@ -33,9 +33,10 @@ from planner.execute.autograd import rng_devices
 class SelectiveRegion:
     """``graph_module`` (a stage's graph) under a selective checkpoint recomputing the operations ``dropped``
     (graph nodes): a callable to run inside compiled code; ``args``: an example call, run once eagerly to learn
-    the policy's order."""
+    the policy's order. ``eager(*inputs)``: the same option run eagerly (the eager plan's way), which runs in its
+    place where torch.compile compiles nothing (see :meth:`__call__`)."""
 
-    def __init__(self, graph_module, dropped, args, name: str = "a stage"):
+    def __init__(self, graph_module, dropped, args, name: str = "a stage", eager=None):
         dropped, nodes = set(dropped), []  # [(node, its dispatches' spellings)] in dispatch order
         for spelling, node in _dispatches(graph_module, args):
             if not nodes or nodes[-1][0] is not node:
@@ -43,7 +44,7 @@ class SelectiveRegion:
             nodes[-1][1].append(spelling)
         self.decisions = [_decision(node, dropped) for node, _ in nodes]
         self.spellings = [tuple(spellings) for _, spellings in nodes]
-        self.graph_module, self.name = graph_module, name
+        self.graph_module, self.name, self.eager = graph_module, name, eager
         self.warned = False
 
         def context():  # a plain function: dynamo keeps context_fn as one (a bound method loses its object)
@@ -52,6 +53,15 @@ class SelectiveRegion:
         self.context = context
 
     def __call__(self, *inputs):
+        if not torch.compiler.is_compiling() and self.eager is not None:
+            # The compiled function's Python runs eagerly: under a TorchDispatchMode (a memory tracker, a FLOP
+            # counter) dynamo compiles nothing, nor with torch.compile disabled or past its recompile limit. The
+            # selective checkpoint would then run eagerly, its policy made for the traced operations: it would
+            # keep what the plan drops and, on an eager dropout (``empty_like``, ``bernoulli_``, ``div_``),
+            # raise "Tensor cached during selective activation checkpoint has been mutated". The eager plan's
+            # option runs instead: the operations and bytes the plan counts (dynamo kept from the frames it calls,
+            # which would otherwise compile its preparation, run outside the caller's modes).
+            return _uncompiled(self.eager, *inputs)
         return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=self.context)
 
     def misaligned(self, unplaced: int, seen: int) -> None:
@@ -139,6 +149,25 @@ def _dispatches(graph_module, args) -> list:
 
 def _spelling(op) -> str:
     return str(op).replace("aten._unsafe_view.", "aten.view.")
+
+
+@torch.compiler.disable
+def _uncompiled(function, *args):
+    return function(*args)
+
+
+def compiles_here() -> bool:
+    """Whether ``torch.compile`` would run compiled code at this point: not while a TorchDispatchMode is active
+    (dynamo then runs the compiled function's Python eagerly: "non-infra torch dispatch mode present"), nor
+    with dynamo disabled."""
+    from torch._dynamo import config
+    from torch.utils import _python_dispatch as dispatch
+
+    if config.disable:
+        return False
+    if config.inline_torch_dispatch_torch_compile:
+        return not dispatch.any_torch_dispatch_mode_on_stack()
+    return not dispatch.is_in_any_mode_without_ignore_compile_internals()
 
 
 def own_code(function):

@@ -103,7 +103,7 @@ class CompiledRun:
             for module, recompute, name in parts:
                 region = None
                 if recompute is not None:
-                    region = compiled_region(stage_graph(module, (x, *extra)), recompute, (x, *extra), name)
+                    region = compiled_region(stage_graph(module, (x, *extra)), recompute, (x, *extra), name, module)
                     if region is None:  # its graph writes in place
                         self.stepwise = [torch.compile(part, dynamic=False) for part in self.merged.parts]
                         self.regions = []

@@ -328,7 +328,7 @@ def _preparation(module, key, args):
     if recompute and max(recompute) >= len(nodes):
         raise ValueError(f"the stage's graph has {len(nodes)} operations; position {max(recompute)} is not one")
     _check_replayable(graph_module, [nodes[p] for p in recompute], type(module).__name__)
-    region = compiled_region(graph_module, recompute, args, type(module).__name__) if compiled else None
+    region = compiled_region(graph_module, recompute, args, type(module).__name__, module) if compiled else None
     return CompiledOption(region) if region is not None else _Selective(graph_module, recompute)
 
 
@@ -342,14 +342,16 @@ def _check_replayable(graph_module, dropped, name: str) -> None:
                                 f"recomputation would not replay it; profile the chain again")
 
 
-def compiled_region(graph_module, recompute, args, name: str):
-    """The :class:`planner.execute.compiled_option.SelectiveRegion` running ``graph_module`` recomputing the
-    operations at positions ``recompute`` (``args``: an example call), or None where the graph writes in place
-    (its option then runs eagerly)."""
+def compiled_region(graph_module, recompute, args, name: str, module):
+    """The :class:`planner.execute.compiled_option.SelectiveRegion` running ``graph_module`` (``module``'s)
+    recomputing the operations at positions ``recompute`` (``args``: an example call), or None where the graph
+    writes in place (its option then runs eagerly). Where its compiled function runs eagerly (under a dispatch
+    mode), the region runs ``module`` with the option as the eager plan does."""
     if writes_in_place(graph_module):
         return None
     nodes = operations(graph_module)
-    return SelectiveRegion(graph_module, [nodes[p] for p in recompute], args, name)
+    return SelectiveRegion(graph_module, [nodes[p] for p in recompute], args, name,
+                           eager=lambda *inputs: run_with_option(module, recompute, *inputs))
 
 
 def _note(value, index, held):
