@@ -33,6 +33,11 @@ from planner.plan import Plan, check_plan_itself, check_plan_matches
 from planner.setup import Run, TrainingSetup, check
 from planner.simulate import check_schedule, check_within_budget
 
+# What a compiled plan's prediction does not cover, said once per compiled plan (docs/execution.md, "Compiled").
+COMPILED_PEAK = ("a compiled plan's predicted peak is that of its eager operations: Inductor's kernels hold memory no "
+                 "chain profile sees (measured 0.96-1.35 of the prediction on this CPU), so its budget is not kept "
+                 "for certain; leave headroom, or measure the compiled step (profiles.memory.ProfilerMemoryMeter)")
+
 
 def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source: str = "plan",
                    recomputes=None, compile: bool = False, update: tuple = None, zero: int = None,
@@ -89,6 +94,7 @@ def apply_schedule(stages, schedule, fuse: bool = True, measured_on=None, source
     check(setup, Run(transfers=any(op.kind in TRANSFER_OPS for op in schedule), compile=compile,
                      options=bool(recomputes), sharded=zero is not None))
     if compile:  # the stages the schedule always runs together: one compiled call (planner/execute/compiled_runs.py)
+        warnings.warn(COMPILED_PEAK, stacklevel=2)
         pairs, schedule, recomputes = merged_for_compile(pairs, tuple(schedule), recomputes)
     return PlannedChain(pairs, tuple(schedule), fuse and update is None and zero is None, measured_on, source,
                         recomputes, compile, update, zero, accumulates=setup.accumulate > 1)
