@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from profiles.fake_build import faked_in_place
+from profiles.identical import stage_key
 
 
 def loose_cuts(stages, inputs) -> list:
@@ -35,23 +36,33 @@ def loose_cuts(stages, inputs) -> list:
 
 
 def _walk(stages, inputs) -> list:
+    """:func:`loose_cuts` on fake ``inputs``; a stage identical to an earlier one (:func:`profiles.identical.
+    stage_key`: a transformer's blocks) is not run again, its twin's output and packs taken."""
     first, extra = inputs[0], inputs[1:]
+    resident, seen = _tensors(inputs), {}
     loose, activation, kept_before = [], first, set()
     for k, (_, module) in enumerate(stages):
-        leaf = _fresh(activation, k > 0 or any(t.requires_grad for t in _tensors(activation)))
-        packed = set()
+        read = {t.untyped_storage()._cdata for t in _tensors(activation) if t.is_floating_point()}
+        key = stage_key(module, activation, extra, resident, k == 0)
+        if key is None or key not in seen:
+            leaf = _fresh(activation, k > 0 or any(t.requires_grad for t in _tensors(activation)))
+            packed = set()
 
-        def pack(tensor, packed=packed):
-            packed.add(tensor.untyped_storage()._cdata)
-            return tensor
+            def pack(tensor, packed=packed):
+                packed.add(tensor.untyped_storage()._cdata)
+                return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = module(leaf, *extra)
-        read = {t.untyped_storage()._cdata for t in _tensors(leaf) if t.is_floating_point()}
-        if k > 0 and read and not read & (packed | kept_before):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = module(leaf, *extra)
+            keeps_input = bool({t.untyped_storage()._cdata for t in _tensors(leaf)} & packed)
+            output = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
+            if key is not None:
+                seen[key] = output, packed, keeps_input
+        else:
+            output, packed, keeps_input = seen[key]
+        if k > 0 and read and not keeps_input and not read & kept_before:
             loose.append(k)
-        kept_before = packed
-        activation = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
+        kept_before, activation = packed, output
     return loose
 
 
