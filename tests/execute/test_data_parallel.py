@@ -121,12 +121,17 @@ def test_a_rank_slice_cuts_the_inputs_and_the_loss_target():
     torch.testing.assert_close(sum(losses) / 2, whole)
 
 
-def _planned(spec, zero, fraction=0.25):
-    """One rank's sharded chain (profiled on rank 0's part at the current thread count), a plan that recomputes
-    (a ``fraction`` of the way from the least feasible budget to the store-all peak), and its predicted peak."""
+def _rank_chain(spec):
+    """The chain of rank 0's part of ``spec``'s batch, profiled at the current thread count."""
     model = built_model(spec, part=(0, 2))
-    chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
-                          name=model.name)
+    return profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=1, repeats=1,
+                         name=model.name)
+
+
+def _planned(spec, zero, fraction=0.25, chain=None):
+    """One rank's sharded chain (``chain``, or rank 0's part profiled now), a plan that recomputes (a ``fraction``
+    of the way from the least feasible budget to the store-all peak), and its predicted peak."""
+    chain = _rank_chain(spec) if chain is None else chain
     setup = TrainingSetup(zero=zero, dp=2)
     lowered = lower(chain, setup)  # one rank's step
     least = minimum_budget(lowered.chain) + lowered.held_bytes
@@ -205,7 +210,8 @@ def trained(request):
     default = torch.get_num_threads()
     torch.set_num_threads(default if request.param == "default" else request.param)
     threads = torch.get_num_threads()
-    planned = {config: _planned(*config) for config in CONFIGS}
+    chains = {spec: _rank_chain(spec) for spec in dict.fromkeys(spec for spec, _ in CONFIGS)}  # one profile a model
+    planned = {(spec, zero): _planned(spec, zero, chain=chains[spec]) for spec, zero in CONFIGS}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes when the ranks build the model
         jobs = _rank_jobs(planned, threads)

@@ -4,6 +4,7 @@ They share nothing with the solvers but the simulator's step function, so they
 are an independent judge of optimality.
 """
 
+import functools
 import heapq
 import itertools
 
@@ -27,9 +28,7 @@ def _cheapest_completion(chain, start_cost, extend):
     ``extend(cost, peak, seconds)`` is the cost after one more operation (None to forbid it); it must never
     decrease the cost.
     """
-    simulator = ChainSimulator(chain)
-    start = simulator.initial_state()
-    moves = list(_moves(chain))
+    simulator, start, successors = _state_graph(chain)
     best = {start: start_cost}
     counter = itertools.count()
     queue = [(start_cost, next(counter), start)]
@@ -39,16 +38,36 @@ def _cheapest_completion(chain, start_cost, extend):
             continue
         if simulator.is_complete(state):
             return cost
-        for op in moves:
-            try:
-                new, peak, seconds = simulator.step(state, op)
-            except ValueError:
-                continue
+        for new, peak, seconds in successors(state):
             total = extend(cost, peak, seconds)
             if total is not None and total < best.get(new, float("inf")):
                 best[new] = total
                 heapq.heappush(queue, (total, next(counter), new))
     return None
+
+
+@functools.lru_cache(maxsize=2)
+def _state_graph(chain):
+    """``(simulator, initial state, successors)`` of ``chain``: ``successors(state)`` is every ``(next state, peak,
+    seconds)`` the simulator's step accepts from ``state``, each state's worked out once and kept, so that the
+    searches of one chain (its least peak, then its fastest time at several budgets) step each state once."""
+    simulator = ChainSimulator(chain)
+    moves = list(_moves(chain))
+    known = {}
+
+    def successors(state):
+        found = known.get(state)
+        if found is None:
+            found = []
+            for op in moves:
+                try:
+                    found.append(simulator.step(state, op))
+                except ValueError:
+                    continue
+            known[state] = found
+        return found
+
+    return simulator, simulator.initial_state(), successors
 
 
 def fastest_time(chain, budget: int) -> float:
