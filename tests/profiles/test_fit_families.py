@@ -32,9 +32,13 @@ from planner.execute.live_memory import LiveMemoryTracker
 from profiles.memory import storage_bytes
 
 rows = []
-for budget, returns in {cases!r}:
-    model, batch = FAMILIES[{family!r}]()
+for family, budget, returns in {cases!r}:
+    model, batch = FAMILIES[family]()
     fitted = fit(model, batch, budget, returns=returns, warmup=0, repeats=1, progress=False)
+    inputs = fitted.discovery.chain_inputs((), batch)  # the batch tensors the chain reads as given: held before
+    given = {{t.untyped_storage()._cdata for t in batch.values()}}
+    held = storage_bytes([t for t in inputs if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in given])
+    del inputs
     peaks = []
     for step in range(2):
         torch.manual_seed(step)
@@ -43,31 +47,33 @@ for budget, returns in {cases!r}:
             getattr(output, "loss", output).backward()
             del output
         fitted.zero_grad(set_to_none=True)
-        peaks.append(tracker.peak + storage_bytes(list(batch.values())))
-    rows.append([budget, returns, peaks, fitted.predicted.peak_bytes, fitted.plan.budget_bytes,
+        peaks.append(tracker.peak + held)
+    rows.append([family, budget, returns, peaks, fitted.predicted.peak_bytes, fitted.plan.budget_bytes,
                  fitted.plan.recomputed_forwards])
 print(json.dumps(rows))
 '''
 
 MID, LOW = "75%", "50%"
-CASES = {
-    "bart": [(MID, "auto"), (LOW, "auto"), (LOW, "loss")],
-    "whisper": [(MID, "auto"), (LOW, "auto")],
-    "t5": [("70%", "auto")],
-    "mixtral": [("90%", "auto")],
-    "lora": [(LOW, "auto"), ("90%", "auto")],
+# Two fresh processes (each family's first step is that of its own stages, prepared at their first call; the
+# process's import of torch and transformers is paid twice, not once per family).
+GROUPS = {
+    "encoder-decoders": [("bart", MID, "auto"), ("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", MID, "auto"),
+                         ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
+    "experts and adapters": [("mixtral", "90%", "auto"), ("lora", LOW, "auto"), ("lora", "90%", "auto")],
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_each_plan_peaks_at_its_prediction_and_within_its_budget_from_the_first_step(family):
-    if family == "lora":
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_each_plan_peaks_at_its_prediction_and_within_its_budget_from_the_first_step(group):
+    if any(family == "lora" for family, _, _ in GROUPS[group]):
         pytest.importorskip("peft")
-    code = CHILD.format(tests=str(ROOT / "tests"), family=family, cases=CASES[family])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    code = CHILD.format(tests=str(ROOT / "tests"), cases=GROUPS[group])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for budget, returns, peaks, predicted, budget_bytes, recomputed in json.loads(done.stdout.splitlines()[-1]):
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert [row[:3] for row in rows] == [list(case) for case in GROUPS[group]]
+    for family, budget, returns, peaks, predicted, budget_bytes, recomputed in rows:
         case = (family, budget, returns, peaks, predicted, budget_bytes)
         assert recomputed > 0 or budget == "90%", case  # a plan that recomputes (Mixtral's least is 66.5%)
         assert all(abs(peak / predicted - 1) <= 0.01 for peak in peaks), case
