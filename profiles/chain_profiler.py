@@ -234,8 +234,7 @@ class _Runner:
             kept = {key: size for key, size in packed.items() if key not in not_kept}
             own_saved_bytes = sum(kept.values())
             output_storages = storages(outputs, size_of=self.size_of)
-            # An output that is the stage's input (a value passed through, returned again) is held as a_k already.
-            kept.update({key: size for key, size in output_storages.items() if key not in not_kept})
+            kept.update(output_storages)
             saved_bytes = sum(kept.values())
             gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             # An output no backward saved is not held at this stage's backward in the model (B k+1 released it):
@@ -319,9 +318,7 @@ class _Runner:
         Its outputs count as not kept by its backward (``own_saved_bytes`` leaves them out) and its backward's
         temporaries are measured with them held: the executor lets an output go once the next stage has read it,
         and the operation that saved it (a ReLU its result) drops it early in the backward, where the profiler
-        holds it; the two together give the peak of ``B``. An output that is the stage's input passed through
-        (returned again) is no new storage: held as ``a_k`` already, it is counted neither in ``saved_bytes`` nor
-        taken from it."""
+        holds it; the two together give the peak of ``B``."""
         def call(stage_input):
             return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra),
                                 self.ran)
@@ -333,8 +330,7 @@ class _Runner:
             output = call(stage_input)
             forward_peak, kept = meter.peak - start, meter.current - start  # what autograd keeps, the output
             outputs = _tensors(output)
-            held = set(storages(_tensors((stage_input, *extra)) + _module_parameters(module) + _module_buffers(module)))
-            made = sum(size for key, size in storages(outputs, size_of=self.size_of).items() if key not in held)
+            out_bytes = self.bytes(outputs)
             gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             meter.reset_peak()
             start = meter.current
@@ -350,9 +346,9 @@ class _Runner:
         plain = _guarded(k, stage_name, module, extra, self.ran)
         extra = self._extra_step(plain, call, activation, needs_grad, module)
         extra_fwd = max(0.0, extra - extra_bwd)
-        saved = max(kept, made)
+        saved = max(kept, out_bytes)
         return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
-                           own_saved_bytes=saved - made, fwd_tmp_bytes=max(0, forward_peak - saved),
+                           own_saved_bytes=saved - out_bytes, fwd_tmp_bytes=max(0, forward_peak - saved),
                            bwd_tmp_bytes=max(0, backward_peak - input_bytes))
 
     def loss(self, loss_fn, last_stage, last_input, needs_grad, activation, gradient_bytes) -> Loss:
