@@ -14,7 +14,12 @@ pack of a saved tensor noted by its storage.
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    UnsupportedOperatorException,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 
 from profiles.fake_build import faked_in_place
@@ -25,14 +30,18 @@ def loose_cuts(stages, inputs) -> list:
     """The indices ``k >= 1`` of ``stages`` (``[(name, module), ...]``, called ``stage_k(a_k, *extra)``) whose
     input ``a_k`` — every tensor of it — neither stage ``k``'s backward nor stage ``k-1``'s keeps, on ``inputs``
     (``(a_0, *extra)``, real or fake tensors; real ones are copied as fake ones, and so are the stages'
-    parameters, theirs back afterwards)."""
+    parameters, theirs back afterwards). Stages that fake tensors cannot run (an output sized by the values:
+    ``nonzero``) are taken as they are: none."""
     modules = [module for _, module in stages if isinstance(module, torch.nn.Module)]
     fake = next((t for t in _tensors(inputs) if isinstance(t, FakeTensor)), None)
     faking = contextlib.nullcontext(inputs) if fake is not None else faked_in_place(modules, inputs)
     with faking as fakes:
         mode = fake.fake_mode if fake is not None else _mode_of(fakes)
-        with mode, torch.enable_grad():
-            return _walk(stages, fakes)
+        try:
+            with mode, torch.enable_grad():
+                return _walk(stages, fakes)
+        except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException):
+            return []  # a stage sized by its values (experts routed by nonzero): its cuts are kept as found
 
 
 def _walk(stages, inputs) -> list:

@@ -1,10 +1,11 @@
-"""What test files in several folders share: the one-line error check, running memsched's command line, and
-a child process's SIGINT for the Ctrl-C tests.
+"""What test files in several folders share: the one-line error check, running memsched's command line, a child
+process's SIGINT for the Ctrl-C tests, and times sized by bytes (plans that do not follow the clock).
 
 Bad input gets one line naming the field and the fix, never a traceback: :func:`one_line` checks an error raised
 by the library (:func:`raises_one_line` calls and catches it), :func:`one_error_line` the command line's
 ``memsched: error: ...``."""
 
+import dataclasses
 import signal
 
 import pytest
@@ -69,3 +70,15 @@ def measured_ratios(out: str) -> list:
     """measured / predicted peak of each training step row of ``memsched train``'s table."""
     rows = [line.split() for line in out.splitlines()]
     return [float(row[-4]) for row in rows if len(row) >= 8 and row[0].isdigit() and row[1].replace(".", "").isdigit()]
+
+
+def sized_times(chain):
+    """Times proportional to bytes: a stage's to what it keeps, an option's extra backward to what it drops."""
+    stages = []
+    for s in chain.stages:
+        options = tuple(dataclasses.replace(o, fwd_time=1e-9 * (s.saved_bytes + s.fwd_tmp_bytes),
+                                            bwd_time=2e-9 * (s.saved_bytes + s.bwd_tmp_bytes)
+                                            + 0.5e-9 * (s.saved_bytes - o.saved_bytes)) for o in s.options)
+        stages.append(dataclasses.replace(s, fwd_time=1e-9 * (s.saved_bytes + s.fwd_tmp_bytes),
+                                          bwd_time=2e-9 * (s.saved_bytes + s.bwd_tmp_bytes), options=options))
+    return dataclasses.replace(chain, stages=tuple(stages))

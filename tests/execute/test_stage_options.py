@@ -8,13 +8,12 @@ are then made proportional to sizes (an option's extra backward to what it drops
 the same plans, while the sizes, which the executor is judged on, are measured.
 """
 
-import dataclasses
 
 import pytest
 import torch
 
+from checks import sized_times
 from discovery_models import MODELS as USER_MODELS
-from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.live_memory import LiveMemoryTracker
@@ -42,18 +41,6 @@ def staged(name):
         return MODELS[name]()
     model, inputs, loss_fn = USER_MODELS[name]()
     return discover(model, inputs, loss_fn, name=name).staged
-
-
-def sized_times(chain: Chain) -> Chain:
-    """Times proportional to bytes: a stage's to what it keeps, an option's extra backward to what it drops."""
-    stages = []
-    for s in chain.stages:
-        options = tuple(dataclasses.replace(o, fwd_time=1e-9 * (s.saved_bytes + s.fwd_tmp_bytes),
-                                            bwd_time=2e-9 * (s.saved_bytes + s.bwd_tmp_bytes)
-                                            + 0.5e-9 * (s.saved_bytes - o.saved_bytes)) for o in s.options)
-        stages.append(dataclasses.replace(s, fwd_time=1e-9 * (s.saved_bytes + s.fwd_tmp_bytes),
-                                          bwd_time=2e-9 * (s.saved_bytes + s.bwd_tmp_bytes), options=options))
-    return dataclasses.replace(chain, stages=tuple(stages))
 
 
 def parameters(model) -> dict:
