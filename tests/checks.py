@@ -6,6 +6,7 @@ by the library (:func:`raises_one_line` calls and catches it), :func:`one_error_
 ``memsched: error: ...``."""
 
 import dataclasses
+import os
 import signal
 
 import pytest
@@ -14,6 +15,27 @@ import cli
 from planner.errors import MemschedError
 
 CLI_ERROR = "memsched: error: "
+
+DEFAULT_THREADS_VARIABLE = "MEMSCHED_TESTS_DEFAULT_THREADS"  # set by conftest.py in a pytest-xdist worker
+
+
+def default_threads() -> int:
+    """torch's default intra-op thread count on this machine (a pytest-xdist worker otherwise computes with one:
+    conftest.py)."""
+    import torch  # here, not at the top: conftest.py imports this module for every test file
+
+    return int(os.environ.get(DEFAULT_THREADS_VARIABLE, 0)) or torch.get_num_threads()
+
+
+def at_thread_count(count):
+    """A fixture's body: ``count`` intra-op threads (``"default"``: :func:`default_threads`) while the test runs,
+    the count before restored after; yields the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(default_threads() if count == "default" else count)
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
 
 
 def one_line(error, *fragments) -> str:

@@ -18,17 +18,28 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker (CI runs one per core: ``-n auto``) computes with one intra-op thread, so that the
+    workers do not each spin as many threads as there are cores; the ``threads`` fixtures still give a test the
+    machine's default count (:func:`checks.default_threads`). A child process (a fresh process, torchrun's ranks)
+    has torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        from checks import DEFAULT_THREADS_VARIABLE
+
+        os.environ.setdefault(DEFAULT_THREADS_VARIABLE, str(torch.get_num_threads()))
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(params=["default", 1])
 def threads(request):
     """The machine's default intra-op thread count, then one thread, for one test (restored after): kernels
     may return other layouts at another count (convolution weight gradients), so a memory-fidelity test runs
     at both."""
-    import torch  # here, not at the top: tests that check what importing the planner loads run without it
+    from checks import at_thread_count
 
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
+    yield from at_thread_count(request.param)
 
 
 @pytest.fixture(scope="module")

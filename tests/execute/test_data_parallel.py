@@ -20,7 +20,7 @@ import torch
 
 import cli
 import solvers
-from checks import one_error_line, one_line
+from checks import at_thread_count, one_error_line, one_line
 from planner import MemschedError, load_plan
 from planner.chain import Chain, Loss, Stage
 from planner.execute import data_parallel
@@ -77,7 +77,7 @@ def test_sharded_chain_by_hand():
               (ParameterRows(150, 4, "trainable"),))
     assert shard_units(layout, 2) == units
     assert rank_residents(3, 2, layout) == [(804 + 16) * 3] * 2  # fp32 and Adam's two moments
-    bf16 = TrainingSetup(precision="bf16", zero=3, dp=2).per_fp32_byte()  # 2-byte parameters, 4 + 8 of state
+    bf16 = TrainingSetup(precision="bf16", zero=3, dp=2).per_parameter_byte()  # 2-byte parameters, 4 + 8 of state
     assert rank_residents(3, 2, layout, bf16) == [(804 + 16) * (2 + 4 + 8) // 4] * 2
     one = sharded_chain(chain, 1, units)  # ZeRO 1: the chain's own step
     assert [s.bwd_tmp_bytes for s in one.stages] == [50, 50] and [s.param_bytes for s in one.stages] == [1000, 600]
@@ -207,9 +207,8 @@ def trained(request):
     and then at one (each rank's and this process's, kept for the module's tests at that count):
     ``{(spec, zero): (predicted peak, each rank's DataParallelResult)}``. One launch per count, not one per
     configuration: a launch is 5-15 s of process start and imports."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    threads = torch.get_num_threads()
+    count = at_thread_count(request.param)
+    threads = next(count)
     chains = {spec: _rank_chain(spec) for spec in dict.fromkeys(spec for spec, _ in CONFIGS)}  # one profile a model
     planned = {(spec, zero): _planned(spec, zero, chain=chains[spec]) for spec, zero in CONFIGS}
     with warnings.catch_warnings():
@@ -218,7 +217,7 @@ def trained(request):
         ranks = launch_ranks(functools.partial(_one_after_another, jobs=jobs), 2, "cpu", 120, label="data-parallel",
                              threads=threads)
     yield {config: (planned[config][2], [results[i] for results in ranks]) for i, config in enumerate(CONFIGS)}
-    torch.set_num_threads(default)
+    next(count, None)  # the count before, restored
 
 
 @pytest.mark.slow

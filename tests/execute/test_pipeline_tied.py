@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from checks import one_line
+from checks import default_threads, one_line
 from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from planner.chain import Chain, load_chain, save_chain
@@ -49,13 +49,13 @@ def tied_lm(batch):
 def profiled(threads=None):
     """The tied model's chain at one micro-batch, as the profiler records it (at ``threads``, else the default)."""
     model = tied_lm(MICRO)
-    default = torch.get_num_threads()
-    torch.set_num_threads(threads or default)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads())
     try:
         chain = profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn, warmup=0, repeats=1,
                               name="tied-lm")
     finally:
-        torch.set_num_threads(default)
+        torch.set_num_threads(before)
     return chain
 
 

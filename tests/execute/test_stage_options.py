@@ -12,7 +12,7 @@ the same plans, while the sizes, which the executor is judged on, are measured.
 import pytest
 import torch
 
-from checks import sized_times
+from checks import at_thread_count, sized_times
 from discovery_models import MODELS as USER_MODELS
 from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
@@ -30,10 +30,7 @@ SEED = 3
 
 @pytest.fixture(scope="module", params=["default", 1])
 def threads(request):
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
+    yield from at_thread_count(request.param)
 
 
 def staged(name):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from checks import at_thread_count
 from planner.execute.autograd import accumulate_grads
 from planner.execute.chain import apply_plan
 from planner.execute.graph import GraphExecutor
@@ -157,10 +158,7 @@ def assert_same_grads(got: dict, expected: dict, what: str) -> None:
 def threads(request):
     """The machine's default intra-op thread count, then one thread, for every test of the module using it
     (restored after)."""
-    default = torch.get_num_threads()
-    torch.set_num_threads(default if request.param == "default" else request.param)
-    yield torch.get_num_threads()
-    torch.set_num_threads(default)
+    yield from at_thread_count(request.param)
 
 
 @pytest.fixture(scope="module")
