@@ -309,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "step time and samples per second, at --batch N or the fastest (auto).")
     plan.add_argument("model", metavar="SPEC|CHAIN.json",
                       help="a built-in model or path/to/file.py:factory (built on fake tensors: nothing is "
-                           "allocated), or a chain profile (parameters: its param_bytes / 4)")
+                           "allocated), or a chain profile (parameters: from its param_bytes)")
     plan.add_argument("--batch", type=lambda text: text if text == "auto" else _at_least(1)(text), metavar="N|auto",
                       help="SPEC: batch size; auto (with --device-spec): of 1, 2, 4..., the most samples/s")
     plan.add_argument("--device-spec", metavar="NAME|FILE", help=f"SPEC: the target device: {', '.join(DEVICES)}, "

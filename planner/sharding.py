@@ -115,9 +115,10 @@ def shard_units(layout: tuple, dp: int) -> list:
 
 
 def rank_parts(zero: int, dp: int, layout: tuple, per_byte: dict) -> list:
-    """Per rank, ``{"params", "grads", "master", "optimizer"}``: the bytes of the parameters of ``layout`` (fp32
-    bytes, as profiled) it keeps between steps, and of the gradients its step leaves, each item's bytes per fp32
-    byte given by ``per_byte`` (fp32 Adam: ``{"params": 1, "grads": 1, "master": 0, "optimizer": 2}``), rounded
+    """Per rank, ``{"params", "grads", "master", "optimizer"}``: the bytes of the parameters of ``layout`` (as the
+    model holds them) it keeps between steps, and of the gradients its step leaves, each item's bytes per byte of
+    the model's parameters given by ``per_byte`` (fp32 Adam: ``{"params": 1, "grads": 1, "master": 0,
+    "optimizer": 2}``; :meth:`planner.setup.TrainingSetup.per_parameter_byte`), rounded
     up to whole bytes. ZeRO 1 keeps the whole parameters and gradients and the state (master copy, optimizer) of
     its part (:func:`zero1_partition`); ZeRO 2 and 3 their padded shards (:func:`shard_units`) and the shared
     parameters, kept whole, with the gradients and state of those needing gradients (a shard's counted at its

@@ -43,7 +43,7 @@ from planner.execute.stages import (
 )
 from planner.rates import Rates
 from planner.render import seconds_since
-from profiles.cuda_kernels import CudaKernelShapes
+from profiles.cuda_kernels import cuda_kernels
 from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
@@ -89,7 +89,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     device = device or _device_of(inputs)
     runner = _Runner(device, warmup, repeats, fake_mode, rates, size_of)
     modules = [module for _, module in pairs]
-    kernels = CudaKernelShapes() if device_spec is not None and device_spec.allocator == "cuda" else None
+    kernels = cuda_kernels() if device_spec is not None and device_spec.allocator == "cuda" else None
     with (fake_mode or contextlib.nullcontext()), (kernels or contextlib.nullcontext()), \
             preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]

@@ -14,9 +14,19 @@ meta registrations give them (``torch/_meta_registrations.py``; checked by tests
   is padded to ``(B, H, ceil(L / 32) * 32)``: that padding is added here. Not counted: the dropout seed and
   offset (a few bytes), and a model whose CPU attention takes the math path (softmax of ``(B, H, L, S)`` saved):
   the CUDA kernels save less, so such an estimate is high.
+- **Dropout** (``torch.nn.functional.dropout``, as ``nn.Dropout`` and the Hugging Face models call it). On CPU it
+  draws a noise tensor of the input's dtype, scales it and multiplies: the backward keeps that noise, one
+  element as large as the input's per element. CUDA runs the fused ``native_dropout``, whose backward keeps a
+  ``bool`` mask: one byte per element (Korthikanti et al. 2022 count the same). :class:`CudaDropout` (a
+  ``TorchFunctionMode``: ``dropout`` is decomposed before any dispatch mode sees it) runs ``native_dropout``
+  instead, whose CPU kernel keeps the same ``bool`` mask. An in-place dropout keeps the CPU's.
 """
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LSE_ALIGN = 32  # the memory-efficient kernel's log-sum-exp rows are padded to a multiple of this
@@ -47,3 +57,24 @@ class CudaKernelShapes(TorchDispatchMode):
                 padded = lse.new_empty(*lse.shape[:-1], -(-rows // LSE_ALIGN) * LSE_ALIGN)
                 return output, padded[..., :rows]
         return out
+
+
+class CudaDropout(TorchFunctionMode):
+    """``dropout`` run as CUDA's fused kernel, keeping a 1-byte mask per element (the module docstring's rule)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            named = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            p, training = named.get("p", 0.5), named.get("training", True)
+            if training and not named.get("inplace", False) and 0 < p < 1 and named["input"].is_floating_point():
+                return torch.ops.aten.native_dropout(named["input"], p, True)[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_kernels():
+    """Within the block, the CPU kernels an estimate runs keep what CUDA's would (:class:`CudaKernelShapes`,
+    :class:`CudaDropout`)."""
+    with CudaDropout(), CudaKernelShapes():
+        yield

@@ -191,7 +191,8 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
                                 "has its batch and its device already")
         chain = load_chain(model)
         parameters = parameters_of(chain)
-        lines = [f"chain      {chain.name}: {parameters} trainable parameters (its param_bytes / 4: fp32 profile)"]
+        lines = [f"chain      {chain.name}: {parameters} trainable parameters (its param_bytes over its parameters' "
+                 "element size)"]
     else:
         from profiles.estimate import estimate_chain  # torch: not for a chain profile
 

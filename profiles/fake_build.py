@@ -19,8 +19,14 @@ def build_fake(factory):
     draws fails there (``torch.nn.init.trunc_normal_`` loops until every value
     lies within its bounds: every ViT and ConvNeXt). Such a factory is called
     again for real, its parameters allocated but no activation, and then
-    :func:`fake_copies` replaces its tensors by fake ones. Tensors the loss
-    closes over (targets) stay real: the mode takes them as constants.
+    :func:`fake_copies` replaces its tensors by fake ones. Nor can a module's
+    fake parameters be converted (``model.to(torch.bfloat16)``, the common way
+    to build a model in bf16: the mode keeps a weak reference to each fake
+    tensor, so ``nn.Module._apply`` cannot swap it): such a factory is called
+    under the meta device instead, where nothing is allocated either, and its
+    tensors made fake CPU tensors of the same sizes, strides and dtypes.
+    Tensors the loss closes over (targets) stay real: the mode takes them as
+    constants.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
@@ -28,8 +34,19 @@ def build_fake(factory):
             return mode, factory()
     except (DataDependentOutputException, DynamicOutputShapeException):
         pass
+    except RuntimeError as error:
+        if not _converts_fake_parameters(error):
+            raise
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.device("meta"):
+            return mode, fake_copies(mode, factory())
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # not the one the failed build left fake tensors in
     return mode, fake_copies(mode, factory())
+
+
+def _converts_fake_parameters(error: RuntimeError) -> bool:
+    """Whether ``error`` is ``nn.Module._apply`` failing to swap a fake parameter for its converted copy."""
+    return str(error).startswith("_apply(): Couldn't swap")
 
 
 def fake_copies(mode, built):
@@ -74,7 +91,7 @@ def _fake_modules(mode, modules) -> list:
 
     def fake(tensor):
         if id(tensor) not in copies:
-            copies[id(tensor)] = (tensor, mode.from_tensor(tensor))  # a Parameter's copy is a Parameter
+            copies[id(tensor)] = (tensor, _fake_of(mode, tensor))  # a Parameter's copy is a Parameter
             fakes.add(id(copies[id(tensor)][1]))
         return copies[id(tensor)][1]
 
@@ -89,4 +106,15 @@ def _fake_modules(mode, modules) -> list:
 
 
 def _fake_tree(mode, tree):
-    return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
+    return tree_map(lambda t: _fake_of(mode, t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _fake_of(mode, tensor):
+    """A fake copy of ``tensor`` in ``mode``; a meta tensor's (:func:`build_fake`) on the CPU."""
+    if not tensor.is_meta:
+        return mode.from_tensor(tensor)
+    with mode:
+        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    return fake.requires_grad_(tensor.requires_grad)

@@ -87,12 +87,11 @@ def least_device_memory(chain, setup: TrainingSetup, solver: str = "auto") -> in
 def device_budget_report(chain, setup, device_memory: int, parameters: int) -> list:
     """The lines of the activation budget that ``device_memory`` bytes leave for ``chain``'s step under ``setup``
     (:class:`planner.setup.TrainingSetup`), against its store-all peak and least budget; a note first when the
-    chain counts other than ``parameters`` trainable parameters (a CUDA estimate's blocks, or not an fp32 model)."""
+    chain counts other than ``parameters`` trainable parameters (a CUDA estimate's blocks)."""
     lines = []
     if parameters_of(chain) != parameters:
-        lines.append(f"note       the estimated chain's param_bytes / 4 count {parameters_of(chain)} parameters "
-                     "(each rounded to the allocator's blocks, or not an fp32 model): the budget below is computed "
-                     "from those")
+        lines.append(f"note       the estimated chain's param_bytes count {parameters_of(chain)} parameters "
+                     "(each rounded to the allocator's blocks): the budget below is computed from those")
     budget = activation_budget(chain, setup, device_memory)
     return lines + render_memory.device_budget_lines(device_memory, budget, store_all_peak(chain, setup.accumulate),
                                               least_budget(chain, setup))

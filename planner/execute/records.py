@@ -38,7 +38,7 @@ def stage_specs(pairs) -> list:
 def parameter_layout(pairs) -> tuple:
     """Per stage of ``[(name, module), ...]``, a :class:`planner.layout.ParameterRows` for each parameter its module
     holds that no earlier stage holds, in the module's order: its rows along dimension 0 (1 for a scalar), the
-    bytes of one row, and whether it is trainable, frozen or shared by several stages."""
+    bytes of one row, whether it is trainable, frozen or shared by several stages, and its element's bytes."""
     shared, seen, layout = {id(p) for _, p in find_shared(pairs)}, set(), []
     for _, module in pairs:
         rows = []
@@ -48,7 +48,8 @@ def parameter_layout(pairs) -> tuple:
             seen.add(id(parameter))
             count = parameter.shape[0] if parameter.dim() else 1
             kind = "shared" if id(parameter) in shared else "trainable" if parameter.requires_grad else "frozen"
-            rows.append(ParameterRows(count, parameter.numel() // max(count, 1) * parameter.element_size(), kind))
+            rows.append(ParameterRows(count, parameter.numel() // max(count, 1) * parameter.element_size(), kind,
+                                      parameter.element_size()))
         layout.append(tuple(rows))
     return tuple(layout)
 

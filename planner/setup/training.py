@@ -39,7 +39,7 @@ _PRECISION_BYTES = {"fp32": {"params": Fraction(4), "grads": Fraction(4), "maste
                     "fp16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(4)}}
 # The first ZeRO stage that shards each item over the data-parallel ranks.
 _SHARDED_FROM = {"optimizer": 1, "master": 1, "grads": 2, "params": 3}
-PROFILE_GRADIENT_BYTES = 4  # chain profiles are fp32: param_bytes are 4 bytes per parameter
+FP32_BYTES = 4  # a chain recording no parameter dtypes (no layout: synthetic chains) is counted in fp32
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,10 @@ class TrainingSetup:
         """True for a sharded step: ZeRO 1, 2 or 3 over 2 or more ranks (planner/sharding.py)."""
         return self.zero >= 1 and self.dp > 1
 
-    def per_fp32_byte(self) -> dict:
-        """Per item of :data:`ITEMS`, its bytes per byte of an fp32 parameter, before sharding."""
-        return {item: value / PROFILE_GRADIENT_BYTES for item, value in self._unsharded().items()}
+    def per_parameter_byte(self, element_bytes=FP32_BYTES) -> dict:
+        """Per item of :data:`ITEMS`, its bytes per byte of a parameter as the model holds it (``element_bytes`` per
+        element: 4 in fp32, 2 in bf16), before sharding."""
+        return {item: value / element_bytes for item, value in self._unsharded().items()}
 
     def sizing(self) -> dict:
         """The fields that size the resident state: ``optimizer``, ``precision``, ``zero``, ``dp``."""
@@ -177,22 +178,33 @@ def chain_gradient_bytes(chain) -> int:
     return sum(stage.param_bytes for stage in chain.stages)
 
 
-def parameters_of(chain) -> int:
-    """Trainable parameters of a chain profile: ``sum(param_bytes) / 4``, rounded up.
+def gradient_element_bytes(chain) -> Fraction:
+    """Bytes per element of the chain's parameter gradients (its ``param_bytes``; a gradient has its parameter's
+    dtype): its trainable parameters' bytes over their elements as its ``layout`` records them, exact (2 for a
+    model built in bf16, between 2 and 4 for one keeping some layers in fp32); 4 for a chain without a layout."""
+    trained = [parameter for stage in chain.layout or () for parameter in stage if parameter.kind != "frozen"]
+    elements = sum(parameter.elements for parameter in trained)
+    return Fraction(sum(parameter.bytes for parameter in trained), elements) if elements else Fraction(FP32_BYTES)
 
-    Profiles are measured in fp32, so a stage's ``param_bytes`` (the gradients its backward makes, as large as
-    its parameters) are 4 bytes per parameter; a parameter shared by stages is counted once, by the last.
-    A chain profiled with 16-bit parameters would be counted at half its parameters.
-    """
-    return -(-chain_gradient_bytes(chain) // PROFILE_GRADIENT_BYTES)
+
+def parameters_in(chain, param_bytes: int) -> int:
+    """Parameters in ``param_bytes`` bytes of ``chain``'s gradients (:func:`gradient_element_bytes` each),
+    rounded up."""
+    return math.ceil(param_bytes / gradient_element_bytes(chain))
+
+
+def parameters_of(chain) -> int:
+    """Trainable parameters of a chain profile: its ``param_bytes`` (the gradients its backward makes, as large as
+    its parameters; a parameter shared by stages counted once, by the last) over the bytes of one element
+    (:func:`gradient_element_bytes`: a model built in bf16 has 2), rounded up."""
+    return parameters_in(chain, chain_gradient_bytes(chain))
 
 
 def device_parameters(chain, setup: TrainingSetup, host_stages=None) -> int:
     """Parameters of ``chain`` whose stages update on the device under ``setup`` (all but for the update
-    ``on-host``, where the stages outside ``host_stages``: none when None), from their ``param_bytes`` / 4."""
+    ``on-host``, where the stages outside ``host_stages``: none when None), as :func:`parameters_of` counts."""
     host = host_stages_of(chain, setup.update, host_stages)
-    on_device = sum(stage.param_bytes for k, stage in enumerate(chain.stages) if k not in host)
-    return -(-on_device // PROFILE_GRADIENT_BYTES)
+    return parameters_in(chain, sum(stage.param_bytes for k, stage in enumerate(chain.stages) if k not in host))
 
 
 def layout_of(chain) -> tuple:
@@ -209,7 +221,7 @@ def device_sizes(chain, setup: TrainingSetup) -> dict:
     parameters."""
     if not setup.sharded:
         return setup.breakdown(parameters_of(chain))
-    ranks = rank_parts(setup.zero, setup.dp, layout_of(chain), setup.per_fp32_byte())
+    ranks = rank_parts(setup.zero, setup.dp, layout_of(chain), setup.per_parameter_byte(gradient_element_bytes(chain)))
     return max(ranks, key=lambda parts: parts["params"] + parts["master"] + parts["optimizer"])
 
 
@@ -230,8 +242,9 @@ def resident_on_device(chain, setup: TrainingSetup) -> int:
 
 
 def extra_gradient_bytes(chain, setup: TrainingSetup) -> int:
-    """Bytes of the setup's gradients beyond the chain's ``param_bytes`` (0 but for a chain not profiled in fp32:
-    the chain's gradients stand in for the setup's, which are never larger otherwise)."""
+    """Bytes of the setup's gradients beyond the chain's ``param_bytes`` (0 unless the setup keeps larger gradients
+    than the model's parameters make: fp32 gradients for a model built in bf16; the chain's gradients stand in
+    for the setup's, which are never larger otherwise)."""
     return max(0, setup.gradient_bytes(parameters_of(chain)) - chain_gradient_bytes(chain))
 
 
@@ -240,7 +253,7 @@ def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
     once ``setup``'s resident state is on a device of ``device_memory`` bytes.
 
     ``device_memory - resident_bytes(P) - max(0, gradient_bytes(P) - sum(param_bytes))`` with
-    ``P = parameters_of(chain)``: the chain's fp32 gradients stand in for the setup's, which are never larger
+    ``P = parameters_of(chain)``: the chain's gradients stand in for the setup's, which are never larger
     (16-bit or ZeRO-sharded gradients are smaller; the difference is not credited: docs/model.md).
     A one-line :class:`MemschedError` when nothing is left.
     """
@@ -272,6 +285,6 @@ def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str
     if extra_gradients:
         how += f" - {extra_gradients} bytes of gradients beyond the chain's"
     if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain) and not setup.sharded:  # (sharded: lowered)
-        how += (f"; the chain counts its fp32 gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
+        how += (f"; the chain counts its gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
                 f"are {format_bytes(setup.gradient_bytes(parameters))}")
     return how

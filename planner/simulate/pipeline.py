@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from planner.chain import Chain, Loss
 from planner.errors import MemschedError
 from planner.plan import PIPELINE_SCHEDULES, Pipeline
-from planner.setup.training import PROFILE_GRADIENT_BYTES, TrainingSetup
+from planner.setup.training import TrainingSetup, parameters_in
 from planner.simulate.chain import ChainSimulator
 from planner.simulate.replay import backward_peak
 from planner.units import sum_seconds
@@ -199,16 +199,16 @@ def device_param_bytes(chain: Chain, first: int, last: int) -> tuple:
 
 
 def range_parameters(chain: Chain, first: int, last: int) -> int:
-    """Trainable parameters a device on stages ``[first, last)`` holds: :func:`device_param_bytes` / 4, rounded up
-    (as planner.setup.training.parameters_of counts a chain)."""
-    return -(-sum(device_param_bytes(chain, first, last)) // PROFILE_GRADIENT_BYTES)
+    """Trainable parameters a device on stages ``[first, last)`` holds: :func:`device_param_bytes` over the chain's
+    gradient element size, rounded up (as planner.setup.training.parameters_of counts a chain)."""
+    return parameters_in(chain, sum(device_param_bytes(chain, first, last)))
 
 
 def sync_seconds(chain: Chain, first: int, last: int, setup: TrainingSetup, bandwidth, latency: float) -> float:
     """Seconds per step a device on ``[first, last)`` spends summing its copies' gradients with the other devices
     holding them, after its last backward: one exchange of each copy's gradient (the setup's size),
     ``bytes / bandwidth + latency``; 0 without a bandwidth."""
-    return sum(transfer_seconds(setup.gradient_bytes(-(-entry.bytes // PROFILE_GRADIENT_BYTES)), bandwidth, latency)
+    return sum(transfer_seconds(setup.gradient_bytes(parameters_in(chain, entry.bytes)), bandwidth, latency)
                for entry in copies(chain, first, last))
 
 

@@ -64,7 +64,7 @@ def test_memory_of_a_builtin_spec_counts_its_module_parameters(capsys):
     # sharded: the largest rank's padded shards of the live parameters, their master copy and Adam state (ZeRO 2 on
     # FSDP2 keeps shards between steps and all-gathers the whole parameters inside the step's budget)
     rows = parameter_layout(named_stages(model.stages))
-    resident = max(rank_residents(2, 8, rows, TrainingSetup("adam", "bf16", 2, 8).per_fp32_byte()))
+    resident = max(rank_residents(2, 8, rows, TrainingSetup("adam", "bf16", 2, 8).per_parameter_byte()))
     assert row(out, "resident") == resident
     assert f"budget     {80 * 2**30 - resident} bytes" in out
     # Without --device-memory: the breakdown alone (the model is not profiled).

@@ -112,6 +112,29 @@ def test_parameters_of_a_chain_are_its_fp32_gradient_bytes_over_four():
     assert parameters_of(_chain([401])) == 101  # not a whole number of fp32 values: rounded up
 
 
+def test_a_chain_of_a_model_built_in_bf16_counts_its_parameters_from_its_layouts_element_size():
+    # 2-byte gradients (param_bytes 400 + 800): 600 parameters, not 300; bf16 Adam keeps 14 bytes each.
+    bf16 = dataclasses.replace(_chain([400, 800]), layout=((ParameterRows(100, 4, "trainable", 2),),
+                                                          (ParameterRows(400, 2, "trainable", 2),)))
+    assert parameters_of(bf16) == 600
+    assert activation_budget(bf16, TrainingSetup("adam", "bf16"), 10_000) == 10_000 - 600 * 14
+    # fp32 gradients for a bf16 model: 1200 bytes beyond the chain's are taken off too.
+    assert activation_budget(bf16, TrainingSetup("adam"), 20_000) == 20_000 - 600 * 12 - 1200
+    # A frozen bf16 base under fp32 adapters (LoRA): only the trainable parameters' element size counts.
+    lora = dataclasses.replace(_chain([400, 800]), layout=((ParameterRows(1000, 2, "frozen", 2),
+                                                           ParameterRows(100, 4, "trainable"),),
+                                                          (ParameterRows(200, 4, "trainable"),)))
+    assert parameters_of(lora) == 300
+    # The layout's JSON: the element size written only when not 4 (an fp32 chain hashes as before), read back.
+    again = Chain.from_dict(bf16.to_dict())
+    assert again.layout == bf16.layout and bf16.to_dict()["layout"][0] == [[100, 4, "trainable", 2]]
+    assert lora.to_dict()["layout"][1] == [[200, 4, "trainable"]]
+    broken = bf16.to_dict()
+    broken["layout"][0][0][3] = 3
+    with pytest.raises(MemschedError, match=r"layout\[0\]\[0\] must be .* element_bytes 1, 2, 4 or 8"):
+        Chain.from_dict(broken)
+
+
 def test_activation_budget_by_hand():
     chain = _chain([400, 800])  # 300 parameters, 1200 bytes of fp32 gradients counted by the chain
     # fp32 Adam, one device: resident 300 * (4 + 8) = 3600; the setup's gradients are the chain's.

@@ -67,3 +67,38 @@ def test_a_cuda_estimate_counts_the_padded_log_sum_exp(monkeypatch):
     plain = estimate().stages[0]
     grown = allocated_bytes(B * H * 128 * 4) - allocated_bytes(B * H * L * 4)
     assert grown == 512 and padded.saved_bytes - plain.saved_bytes == grown
+
+
+def test_dropout_keeps_the_one_byte_mask_of_the_kernel_cuda_runs():
+    meta = torch.ops.aten.native_dropout(torch.empty(B, L, E, device="meta"), 0.1, True)[1]
+    for dtype in (torch.float32, torch.bfloat16):
+        with FakeTensorMode():
+            x = torch.randn(B, L, E, dtype=dtype, requires_grad=True)
+            cpu = F.dropout(x, 0.1)
+            with cuda_kernels.CudaDropout():
+                cuda = nn.Dropout(0.1)(x)
+                evaluated = F.dropout(x, 0.1, training=False)
+        (noise,) = [getattr(cpu.grad_fn, name) for name in dir(cpu.grad_fn) if name.startswith("_saved_other")]
+        assert noise.dtype == dtype  # the CPU keeps its scaled noise, one input element per element
+        mask = cuda.grad_fn._saved_result1
+        assert mask.dtype == meta.dtype == torch.bool and mask.shape == meta.shape == x.shape  # CUDA: 1 byte each
+        assert cuda.dtype == dtype and evaluated is x  # the output as before; not training: no dropout at all
+
+
+class _Dropout(nn.Module):
+    def forward(self, x):
+        return F.dropout(x * 2, 0.1) * 3
+
+
+def test_a_cuda_estimate_keeps_a_byte_per_element_for_dropout_where_the_cpu_keeps_an_element(monkeypatch):
+    def estimate():
+        _, (stages, x) = build_fake(lambda: ([_Dropout()], torch.randn(B, 1024, requires_grad=True)))
+        return profile_chain(stages, x, estimate=True, warmup=0, repeats=1, device_spec=DEVICES["h100-80gb"]).stages[0]
+
+    cuda = estimate()
+    monkeypatch.setattr(cuda_kernels.CudaDropout, "__torch_function__",
+                        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+    cpu = estimate()
+    elements = B * 1024
+    # Both keep the output (the loss reads it) and, for `* 3`, nothing; dropout's noise (fp32) becomes a mask.
+    assert cpu.saved_bytes - cuda.saved_bytes == allocated_bytes(elements * 4) - allocated_bytes(elements)

@@ -12,7 +12,7 @@ import pytest
 from checks import one_error_line, raises_one_line, run
 from planner.devices import DEVICES, DeviceSpec
 from planner.setup import TrainingSetup
-from planner.setup.training import activation_budget, device_sizes
+from planner.setup.training import activation_budget, device_sizes, parameters_of, resident_on_device
 from planner.units import describe_bytes
 from profiles.device_plan import best, plan_for_device, target_device, update_seconds
 from profiles.estimate import estimate_chain
@@ -175,3 +175,38 @@ def test_a_cuda_device_leaves_the_step_its_memory_less_the_cublas_workspaces(cap
     message = raises_one_line(plan_for_device, MLP, tight, 4)
     least = least_device_memory(chain, TrainingSetup()) + held
     assert "does not fit ada at a micro-batch of 4" in message and f"needs {describe_bytes(least)}" in message
+
+
+BF16_MODEL = '''
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256) for _ in range(4)] + [torch.nn.Linear(256, 8)]
+    model = torch.nn.Sequential(*[part for layer in layers for part in (layer, torch.nn.GELU())][:-1])
+    return model.to(torch.bfloat16), torch.randn(16, 256, dtype=torch.bfloat16)
+'''
+
+
+def test_a_model_built_in_bf16_is_counted_at_its_parameters_in_every_figure(capsys, tmp_path):
+    """Its gradients are 2 bytes a parameter: counted as fp32 ones (param_bytes / 4) it had half its parameters, so
+    the floor and the chosen peak held half the resident state the breakdown printed (issue 39, item 2)."""
+    (tmp_path / "bf16_model.py").write_text(BF16_MODEL)
+    parameters = 4 * (256 * 256 + 256) + 256 * 8 + 8
+    spec = f"{tmp_path / 'bf16_model.py'}:build"
+    status, out, err = run(capsys, "plan", spec, "--device-spec", "h100-80gb", "--precision", "bf16")
+    assert status == 0, err
+    assert f"{parameters} trainable parameters" in out
+    assert re.search(rf"^resident +{14 * parameters} ", out, re.M)  # bf16 weights, fp32 master, Adam's 2 moments
+    # The chain's count: its gradients on a CUDA target, each rounded up to the allocator's 512-byte blocks.
+    chain = estimate_chain(spec, device_spec=DEVICES["h100-80gb"]).chain
+    counted = parameters_of(chain)
+    assert parameters <= counted < 1.01 * parameters
+    assert f"param_bytes count {counted} parameters" in out
+    resident = resident_on_device(chain, TrainingSetup(precision="bf16"))
+    assert resident == 14 * counted
+    least = int(re.search(r"least feasible (\d+) bytes", out).group(1))
+    assert f"floor      {resident + least} bytes" in out
+    peak = int(re.search(r"^chosen .* peak (\d+) bytes", out, re.M).group(1))
+    assert peak >= resident + least
