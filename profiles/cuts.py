@@ -187,17 +187,42 @@ def shared_names(cut, shared, call) -> tuple:
 
 
 def _kept(value) -> bool:
-    """Whether autograd keeps ``value`` for the backward: its op saves its output, or an op reading it saves it.
+    """Whether autograd keeps ``value`` for the backward: its op saves its output, or an op reading it saves it,
+    or it is :func:`upcast_kept`.
 
     The chain model holds a stage's output until the next stage's backward; a plain step frees a tensor nothing
-    saved as soon as it is read. A cut is taken only at a kept value, where the two agree. Each op is run alone
-    on the fake tensors the capture left in ``meta["val"]``; an op that cannot be run so counts as keeping it.
+    saved as soon as it is read. A cut is taken only at a kept value, where the two agree (an upcast-kept value
+    is held by the executor to that backward: planner/execute/steprun.py). Each op is run alone on the fake
+    tensors the capture left in ``meta["val"]``; an op that cannot be run so counts as keeping it.
     """
     producer, index = (value.args[0], value.args[1]) if value.target is operator.getitem else (value, None)
     if producer.op == "call_function" and _saves(producer, value, producer, index):
         return True
     return any(_saves(op, alias, producer, index) for alias in _aliases(value) for op in alias.users
-               if op.op == "call_function")
+               if op.op == "call_function") or upcast_kept(value)
+
+
+def upcast_kept(value) -> bool:
+    """Whether ``value``, a 16-bit tensor, is read by its cast to fp32 and that cast is kept: the residual stream
+    of a model built in bf16 or fp16, whose normalisations compute in fp32 (``x.to(torch.float32)``, as Llama's
+    RMSNorm), is saved only as that fp32 copy. Its stage boundary is taken all the same (else such a model is one
+    stage), the value held to the next backward as the chain model counts it: 2 bytes an element beside the
+    4 of the copy its backward keeps."""
+    fake = value.meta.get("val")
+    if not isinstance(fake, torch.Tensor) or fake.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return any(_is_upcast(op) and _kept(op) for alias in _aliases(value) for op in alias.users)
+
+
+def _is_upcast(op) -> bool:
+    """Whether ``op`` copies its input to fp32 (``x.to(torch.float32)`` as the capture writes it)."""
+    fake = op.meta.get("val")
+    return (op.op == "call_function" and op.target in _CASTS and isinstance(fake, torch.Tensor)
+            and fake.dtype == torch.float32)
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+          torch.ops.prims.convert_element_type.default)
 
 
 def _aliases(value) -> list:

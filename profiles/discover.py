@@ -60,6 +60,7 @@ from profiles.cuts import (
     shared_names,
     stage_module,
     stage_names,
+    upcast_kept,
 )
 from profiles.loose_cuts import loose_cuts
 from profiles.precision import eager_batch_norm, with_autocast_casts
@@ -181,7 +182,8 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
     graph_module = _export(step, tensors, name)
     cut = Cut(graph_module, tensors, written, name)
     pieces = merged(cut.pieces(), max_stages)
-    while True:  # a cut whose value no backward keeps joins its two stages (profiles/loose_cuts.py)
+    while True:  # a cut whose value no backward keeps joins its two stages (profiles/loose_cuts.py) unless its
+        # fp32 copy is kept (a 16-bit residual stream: cuts.upcast_kept, held by the executor as the model counts)
         shared = cut.later_shared(pieces)
         stages, reports = [], []
         for piece, stage_name in zip(pieces, stage_names([piece.nodes for piece in pieces])):
@@ -192,7 +194,7 @@ def discover(model: torch.nn.Module, example_inputs, loss_fn=None, *, name: str 
         prelude = prelude_module(graph_module, cut, [pieces[0].incoming] + shared)
         staged = StagedModel(name=name, stages=stages, example_inputs=tuple(prelude(*tensors)),
                              loss_fn=returned_loss)
-        loose = loose_cuts(stages, staged.example_inputs)
+        loose = [k for k in loose_cuts(stages, staged.example_inputs) if not upcast_kept(pieces[k].incoming)]
         if not loose:
             break
         pieces = joined(pieces, loose)

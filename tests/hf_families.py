@@ -1,11 +1,15 @@
 """More Hugging Face families as users bring them, built small from tiny configs (no weights downloaded), each as
 ``(model, batch)``: ``model(**batch)`` returns an output with ``.loss``. Encoder–decoders (BART, Whisper, T5: the
 encoder's last hidden state is returned beside the logits and saved by the decoder's cross-attention), a mixture
-of experts (Mixtral), and a LoRA adapter on Llama (peft: frozen weights, whose linear layers save no input).
+of experts (Mixtral), a LoRA adapter on Llama (peft: frozen weights, whose linear layers save no input), and
+decoders built in bf16 (``model.to(torch.bfloat16)``: Llama, Mistral, Qwen2; their residual stream is saved only as
+the fp32 copy their normalisations compute on).
 
 Used by the fit fidelity tests (tests/profiles/test_fit_models.py, test_fit_families.py) and by
 bench/fit_families.py; no line of memsched's knows any of them.
 """
+
+import functools
 
 import torch
 
@@ -89,4 +93,21 @@ def lora():
     return model.train(), {"input_ids": ids, "labels": ids.clone()}
 
 
-FAMILIES = {"bart": bart, "whisper": whisper, "t5": t5, "mixtral": mixtral, "lora": lora}
+def decoder(kind: str, dtype=torch.bfloat16):
+    """A 2-layer ``kind`` (``llama``, ``mistral`` or ``qwen2``) causal LM built in fp32 and converted to ``dtype``, as
+    a model loaded with ``torch_dtype=torch.bfloat16`` is; a batch of 4 × 16 tokens with labels."""
+    import transformers
+
+    config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, config)(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                           max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                           pad_token_id=0)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    return getattr(transformers, model)(config).to(dtype).train(), {"input_ids": ids, "labels": ids.clone()}
+
+
+FAMILIES = {"bart": bart, "whisper": whisper, "t5": t5, "mixtral": mixtral, "lora": lora,
+            **{f"{kind}-bf16": functools.partial(decoder, kind) for kind in ("llama", "mistral", "qwen2")}}

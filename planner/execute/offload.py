@@ -352,6 +352,11 @@ class OffloadStepRun(StepRun):
                 self.stashed[id(parameter)] = (parameter, None)
                 self._set_aside(parameter)  # the step's gradients are made on the device, then copied out
 
+    def _hold_to_gradient(self, i, activation) -> None:
+        """Nothing more: ``a_i`` lives in the box of stage i-1's ``saved`` item (``held``), which the plan's
+        transfers move and free; another reference would keep its device storage past a ``Release``. (A value no
+        backward keeps, a 16-bit residual stream, is then freed once read: below its prediction, never above.)"""
+
     # -- activations through boxes
 
     def _box(self, what, i) -> _Box:

@@ -69,6 +69,7 @@ class StepRun:
         self.graphs = {}  # i -> StageGraph of stage i: ā_{i+1}
         self.grads = {}  # i -> δ_i, one entry per tensor of a_i (None where none)
         self.extra_grads = [None] * len([t for t in tree_flatten(extra)[0] if isinstance(t, torch.Tensor)])
+        self.held_inputs = {}  # (i, k) -> tensor k of a_i, read by a continued F_all i, until its gradient is made
         self.forwarded = set()  # stages whose first forward has run
         self.rng = {}  # stage -> generator states of its first forward (recomputed stages only)
         self.autocast = autocast_state()
@@ -141,13 +142,26 @@ class StepRun:
             self.acts.pop(i, None)
 
     def _continue(self, i, position) -> None:
-        """``F_all i`` on the output of stage i-1's graph itself, extending that graph to stage i."""
+        """``F_all i`` on the output of stage i-1's graph itself, extending that graph to stage i; its input held
+        until its gradient is made (:meth:`_hold_to_gradient`)."""
         graph = self.graphs.pop(i - 1)
         with self.saving(i):
             output = self._call(i, self.planned.modules_in_order[i], graph.output, *graph.extra, forward_all=True)
+        self._hold_to_gradient(i, graph.output)
         graph.extend(i, output)
         self.graphs[i] = graph
         self.keep_output(i, output, position)
+
+    def _hold_to_gradient(self, i, activation) -> None:
+        """Hold the tensors of ``a_i`` until autograd has made their gradient, as the chain model holds ``a_i`` to
+        ``B i``. Autograd alone frees a value no backward saves once the forward has read it: a 16-bit residual
+        stream, of which only an fp32 cast is saved, is such a value. A tensor needing no gradient is held until
+        its graph's backward has run. (A value a backward saves costs nothing more.)"""
+        held = self.held_inputs
+        for k, tensor in enumerate(t for t in tree_flatten(activation)[0] if isinstance(t, torch.Tensor)):
+            held[i, k] = tensor
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(functools.partial(_let_go, held, (i, k)))
 
     def _backward(self, i) -> None:
         graph = self.graphs.pop(i)
@@ -164,6 +178,8 @@ class StepRun:
         self.tied.before_backward(stages, parameters)
         results = self.differentiate_stage(pairs, targets, inputs, parameters)
         del inputs
+        for key in [key for key in self.held_inputs if key[0] in stages]:
+            del self.held_inputs[key]
         self.tied.after_backward(stages)
         if self.announcer is not None:
             self.announcer.after_backward(stages, parameters)
@@ -268,6 +284,11 @@ class StepRun:
 
     def abandon(self) -> None:
         """A failed step: put back what the run changed outside itself."""
+
+
+def _let_go(held, key, grad_outputs) -> None:
+    """A gradient prehook: the tensor held under ``key`` is held no more (its gradient is made)."""
+    held.pop(key, None)
 
 
 def _passed_on_as_views(output, args):

@@ -224,3 +224,15 @@ def test_an_estimate_discovers_the_same_stages_and_sizes_without_allocating():
     assert [[getattr(s, f) for f in fields] for s in chain.stages] == [[getattr(s, f) for f in fields]
                                                                        for s in real.stages]
     assert chain.input_bytes == real.input_bytes and chain.loss.tmp_bytes == real.loss.tmp_bytes
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_a_decoder_built_in_bf16_is_cut_as_its_fp32_twin(kind):
+    """Its residual stream is saved only as the fp32 copy its RMSNorm computes on: no cut was taken between layers,
+    and the whole decoder was one stage (issue 39, item 1)."""
+    from hf_families import decoder
+
+    stages = {dtype: [name for name, _ in discover(*decoder(kind, dtype)).staged.stages]
+              for dtype in (torch.float32, torch.bfloat16)}
+    assert stages[torch.bfloat16] == stages[torch.float32]
+    assert "model.layers.1[post_attention_layernorm,mlp]" in stages[torch.bfloat16]

@@ -7,6 +7,8 @@ stage option of the decoder's stage counted none of its outputs as saved by its 
 encoder's last hidden state (returned to the caller, and read by the cross-attention's backward) at the loss.
 A peft LoRA Llama measured 0.96 of its prediction at ``"90%"``: two of its cuts carried values no backward kept
 (frozen weights save no input), which the model held to their backward (now one stage each: profiles/loose_cuts.py).
+A decoder built in bf16 was one stage (issue 39); cut between its layers now, each cut's bf16 residual, which only
+its fp32 copy is saved of, is held by the executor to its backward as the model counts it.
 """
 
 import json
@@ -60,6 +62,7 @@ GROUPS = {
     "encoder-decoders": [("bart", MID, "auto"), ("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", MID, "auto"),
                          ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
     "experts and adapters": [("mixtral", "90%", "auto"), ("lora", LOW, "auto"), ("lora", "90%", "auto")],
+    "built in bf16": [("llama-bf16", "90%", "auto"), ("llama-bf16", "60%", "auto"), ("qwen2-bf16", MID, "auto")],
 }
 
 
