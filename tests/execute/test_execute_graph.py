@@ -30,7 +30,8 @@ from profiles.reference_step import measured_peak
 from solvers import solve_graph, store_all_graph_peak
 
 SEED = 7
-TIME_LIMIT = 20.0  # seconds for checkmate; a plan stopped by the limit is still a valid schedule
+TIME_LIMIT = 4.0  # seconds for checkmate: a plan stopped by the limit is still a valid schedule (warm-started by
+# the greedy heuristic), and it is the executor these tests judge, not the plan's optimality (tests/solvers/)
 # Small models whose activations dominate, so 50% of the store-all peak is feasible; gpt-tiny keeps its
 # dropout, resnet-tiny its BatchNorm, unet-tiny its long skip (down0 -> up0 across down1, middle, up1).
 # With one convolution per level, unet-tiny's full-resolution decoder computation alone needs about 60% of
