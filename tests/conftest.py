@@ -12,6 +12,12 @@ TESTS = Path(__file__).resolve().parent
 # importing torch) on the 2 cores the suite has: test_compiled.py's cases took 12% less time so. Set before torch
 # reads it; a value in the environment is kept.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# OpenMP's idle threads sleep at once instead of spinning for a while: the suite runs a pytest-xdist worker per
+# core, each with its tests' child processes, and a thread spinning on one core takes it from another process
+# (test_stage_options.py and test_thread_fidelity.py on 2 workers: 51 s, 82 s of CPU; passive: 41 s, 63 s). The
+# thread counts, and so every measured size, are the same. Set before torch loads its OpenMP runtime; children
+# inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The helper modules (checks, paths, oracles...) import from tests/; the repository comes first so that the
 # packages are found there even when pytest runs without it on sys.path (the `pytest` script, an editable
 # install's import hook): tests/planner/ and its siblings, folders of tests, would otherwise pass for them.
