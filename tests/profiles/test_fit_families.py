@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+if {threads!r} is not None:
+    torch.set_num_threads({threads!r})
 sys.path.insert(0, {tests!r})
 from hf_families import FAMILIES
 from planner import fit
@@ -56,14 +58,17 @@ print(json.dumps(rows))
 '''
 
 MID, LOW = "75%", "50%"
-# Two fresh processes (each family's first step is that of its own stages, prepared at their first call; the
-# process's import of torch and transformers is paid twice, not once per family).
+# A fresh process per group (each family's first step is that of its own stages, prepared at their first call; the
+# process's import of torch and transformers is paid once a group, not once per family); the bf16 decoders at the
+# default thread count and at one.
 GROUPS = {
     "encoder-decoders": [("bart", MID, "auto"), ("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", MID, "auto"),
                          ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
     "experts and adapters": [("mixtral", "90%", "auto"), ("lora", LOW, "auto"), ("lora", "90%", "auto")],
     "built in bf16": [("llama-bf16", "90%", "auto"), ("llama-bf16", "60%", "auto"), ("qwen2-bf16", MID, "auto")],
 }
+GROUPS["built in bf16, one thread"] = GROUPS["built in bf16"]
+THREADS = {"built in bf16, one thread": 1}  # the others: torch's default count
 
 
 @pytest.mark.slow
@@ -71,7 +76,7 @@ GROUPS = {
 def test_each_plan_peaks_at_its_prediction_and_within_its_budget_from_the_first_step(group):
     if any(family == "lora" for family, _, _ in GROUPS[group]):
         pytest.importorskip("peft")
-    code = CHILD.format(tests=str(ROOT / "tests"), cases=GROUPS[group])
+    code = CHILD.format(tests=str(ROOT / "tests"), cases=GROUPS[group], threads=THREADS.get(group))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.splitlines()[-1])
