@@ -30,8 +30,12 @@ from profiles.reference_step import measured_peak
 from solvers import solve_graph, store_all_graph_peak
 
 SEED = 7
-TIME_LIMIT = 4.0  # seconds for checkmate: a plan stopped by the limit is still a valid schedule (warm-started by
-# the greedy heuristic), and it is the executor these tests judge, not the plan's optimality (tests/solvers/)
+# Seconds for checkmate. A plan stopped by the limit is still a valid schedule (warm-started by the greedy
+# heuristic), and it is the executor these tests judge, not the plan's optimality (tests/solvers/ does): 4 s where
+# the greedy start finds a schedule at every fraction. Where it finds none (resnet-tiny at 50%), the solver must
+# find one itself (3.6 s here when the machine is quiet; over 4 s under CI's load): 20 s, of which it uses what it
+# needs.
+TIME_LIMITS = {"gpt-tiny": 4.0, "resnet-tiny": 20.0, "unet-tiny": 4.0}
 # Small models whose activations dominate, so 50% of the store-all peak is feasible; gpt-tiny keeps its
 # dropout, resnet-tiny its BatchNorm, unet-tiny its long skip (down0 -> up0 across down1, middle, up1).
 # With one convolution per level, unet-tiny's full-resolution decoder computation alone needs about 60% of
@@ -75,7 +79,8 @@ def case(request):
     plans = {1.0: solve_graph(graph, peak, solver="store_all")}
     for fraction in fractions:
         started = time.perf_counter()
-        plans[fraction] = solve_graph(graph, int(fraction * peak), solver="checkmate", time_limit=TIME_LIMIT)
+        plans[fraction] = solve_graph(graph, int(fraction * peak), solver="checkmate",
+                                      time_limit=TIME_LIMITS[request.param])
         print(f"{request.param}: checkmate at {fraction:.0%} in {time.perf_counter() - started:.1f} s")
     return request.param, spec, graph, plans, eager_step(build(spec))
 

@@ -53,7 +53,7 @@ for family, budget, returns in {cases!r}:
         fitted.zero_grad(set_to_none=True)
         peaks.append(tracker.peak + held)
     rows.append([family, budget, returns, peaks, fitted.predicted.peak_bytes, fitted.plan.budget_bytes,
-                 fitted.plan.recomputed_forwards])
+                 fitted.plan.recomputed_forwards + sum(op.option is not None for op in fitted.plan.schedule)])
 print(json.dumps(rows))
 '''
 
@@ -83,6 +83,7 @@ def test_each_plan_peaks_at_its_prediction_and_within_its_budget_from_the_first_
     assert [row[:3] for row in rows] == [list(case) for case in GROUPS[group]]
     for family, budget, returns, peaks, predicted, budget_bytes, recomputed in rows:
         case = (family, budget, returns, peaks, predicted, budget_bytes)
-        assert recomputed > 0 or budget == "90%", case  # a plan that recomputes (Mixtral's least is 66.5%)
+        # a plan that recomputes, whole stages or inside them (options: which, follows the seconds measured)
+        assert recomputed > 0 or budget == "90%", case  # (Mixtral's least is 66.5%)
         assert all(abs(peak / predicted - 1) <= 0.01 for peak in peaks), case
         assert all(peak <= budget_bytes for peak in peaks), case
