@@ -82,7 +82,7 @@ def main():
     memory = parse_budget(args.device_memory, what="--device-memory")
     device = cpu_device_spec(memory)
     print(f"{device.name} at {torch.get_num_threads()} threads, {describe_bytes(memory)}: "
-          f"{device.rates(False).describe()}")
+          f"{device.rates().describe()}")
     tried = plan_for_device(args.spec, device, "auto")
     chosen = best(tried)
     print(f"{'batch':>6} {'solver':<10} {'recomputed':>10} {'peak':>11} {'predicted/s':>12} {'measured/s':>11}")

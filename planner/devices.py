@@ -55,14 +55,10 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     compute_capability: str = None
 
-    def flops(self, low_precision: bool) -> float:
-        """Peak FLOP/s of a model computing in bf16 or fp16 (``low_precision``: tensor cores) or else in fp32."""
-        return self.bf16_flops if low_precision else self.fp32_flops
-
-    def rates(self, low_precision: bool) -> Rates:
-        """The :class:`Rates` an estimate of a model in bf16 or fp16 (``low_precision``) or else fp32 assumes: the
-        peak FLOP/s, the memory bandwidth and the cost per operation."""
-        return Rates(self.flops(low_precision), self.memory_bandwidth, self.op_overhead_s)
+    def rates(self) -> Rates:
+        """The :class:`Rates` an estimate for this device assumes: fp32 peak FLOP/s, its bf16/fp16 peak for
+        operations on 16-bit inputs, its memory bandwidth and its cost per operation."""
+        return Rates(self.fp32_flops, self.memory_bandwidth, self.op_overhead_s, self.bf16_flops)
 
     def transfer(self) -> Transfer:
         """The host link as a copy channel (planner/transfer.py): the data sheet's peak each way, no latency; a

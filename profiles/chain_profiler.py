@@ -78,7 +78,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     if not inputs:
         raise MemschedError("example_inputs is empty: give the first stage's input")
     loss_fn = loss_fn or default_loss
-    rates, size_of = _target(device_spec, throughput, rates, estimate, [module for _, module in pairs])
+    rates, size_of = _target(device_spec, throughput, rates, estimate)
     fake_mode = _fake_mode(pairs, inputs) if estimate else None
     if device is not None:
         device = checked_device(device)
@@ -145,12 +145,12 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
     return chain
 
 
-def _target(device_spec, throughput, rates, estimate, modules) -> tuple:
+def _target(device_spec, throughput, rates, estimate) -> tuple:
     """``(Rates, size_of)`` a profile assumes: ``rates``, else ``throughput`` FLOP/s alone (default
-    :data:`DEFAULT_THROUGHPUT`), and storages counted as they are (None); or, for a ``device_spec``, its peak in
-    the model's precision (bf16 when a parameter is bf16 or fp16, else fp32; a model run under autocast keeps fp32
-    parameters: give its rates instead), memory bandwidth and cost per operation (:meth:`DeviceSpec.rates`), and the
-    bytes its allocator counts for each storage (:func:`planner.allocator.rounding`)."""
+    :data:`DEFAULT_THROUGHPUT`), and storages counted as they are (None); or, for a ``device_spec``, its peaks
+    (an operation on 16-bit inputs at the bf16 one), memory bandwidth and cost per operation
+    (:meth:`DeviceSpec.rates`), and the bytes its allocator counts for each storage
+    (:func:`planner.allocator.rounding`)."""
     if device_spec is None:
         if rates is not None and throughput is not None:
             raise MemschedError("give an estimate's throughput or its rates, not both (rates hold their FLOP/s)")
@@ -161,8 +161,7 @@ def _target(device_spec, throughput, rates, estimate, modules) -> tuple:
     if throughput is not None or rates is not None:
         raise MemschedError("give a throughput (--throughput) or a device spec (--device-spec), not both: the spec's "
                             "peak FLOP/s and bandwidth are the rates")
-    low = any(p.dtype in (torch.bfloat16, torch.float16) for module in modules for p in _module_parameters(module))
-    return device_spec.rates(low), rounding(device_spec.allocator)
+    return device_spec.rates(), rounding(device_spec.allocator)
 
 
 def _tensors(tree) -> list:

@@ -31,16 +31,17 @@ def present(device) -> str:
     return "cuda" if device.allocator == "cuda" and torch.cuda.is_available() else ""
 
 
-def measured_lines(spec: str, chosen, device, steps: int = MEASURED_STEPS) -> list:
+def measured_lines(spec: str, chosen, device, autocast: str = None, steps: int = MEASURED_STEPS) -> list:
     """Predicted against measured for the candidate ``chosen`` (profiles/device_plan.py) of ``spec`` on
     ``device``, trained ``steps`` steps where :func:`present` says it is: the step's peak and the optimizer
-    step's seconds and samples per second, each with the measured over the predicted. The predicted peak is the
+    step's seconds and samples per second, each with the measured over the predicted (its step captured under
+    ``autocast``, as the estimate's was: its casts are the stages' own). The predicted peak is the
     plan's and the cuBLAS workspaces the first step allocates (:meth:`planner.devices.DeviceSpec.blas_workspace`:
     the autograd thread's from the first matmul of the backward, where a step's peak usually is)."""
     where = present(device)
     if where == "cuda":
         torch._C._cuda_clearCublasWorkspaces()  # as in a fresh process: the first measured step allocates them
-    model, _ = load_model(spec, batch=chosen.batch)
+    model, _ = load_model(spec, batch=chosen.batch, autocast=autocast, device_spec=device)
     comparison = train_chain_plan(model, chosen.plan, chosen.estimate.chain, steps, where, whole_step=True)
     peak = max(step.peak_bytes for step in comparison.planned)
     seconds = statistics.median(step.seconds for step in comparison.planned)

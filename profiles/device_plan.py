@@ -67,12 +67,12 @@ def update_seconds(chain, setup: TrainingSetup, device) -> float:
 
 
 def candidate(spec: str, batch: int, accumulate: int, device, setup: TrainingSetup, solver: str = "auto",
-              device_memory: int = None, budget: str = "auto") -> Candidate:
+              device_memory: int = None, budget: str = "auto", autocast: str = None) -> Candidate:
     """The :class:`Candidate` of ``spec`` at micro-batch ``batch`` over ``accumulate`` micro-batches on ``device``
     (its memory, or ``device_memory`` bytes when given), the step within ``budget`` (:func:`judged`)."""
     from profiles.estimate import estimate_chain  # torch: not for memory_report of a chain profile
 
-    estimate = estimate_chain(spec, batch, device_spec=device)
+    estimate = estimate_chain(spec, batch, device_spec=device, autocast=autocast)
     batch = batch or dict(estimate.chain.measured_on.inputs)["0"].shape[0]  # the model's own: its input's first size
     return judged(estimate, batch, accumulate, device, setup, solver, device_memory, budget)
 
@@ -106,14 +106,15 @@ def _solved(chain, budget: str, solver: str, setup: TrainingSetup, memory: int, 
 
 
 def plan_for_device(spec: str, device, batch=None, setup: TrainingSetup = None, solver: str = "auto",
-                    global_batch: int = None, device_memory: int = None, budget: str = "auto") -> list:
+                    global_batch: int = None, device_memory: int = None, budget: str = "auto",
+                    autocast: str = None) -> list:
     """The :class:`Candidate` s tried for ``spec`` on ``device`` (:func:`tried_batches`; None: the model's own
     batch), each step within ``budget``."""
     setup = setup or TrainingSetup()
     if budget != "auto":
         parse_budget(budget, 100, what="--budget")  # unreadable is one line before any estimate (a % reads as one)
     return tried_batches(lambda size, accumulate: candidate(spec, size, accumulate, device, setup, solver,
-                                                            device_memory, budget),
+                                                            device_memory, budget, autocast),
                          batch, global_batch, spec, device, device_memory)
 
 
@@ -171,16 +172,20 @@ def _accumulation(global_batch, batch) -> int:
 
 
 def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, device=None, batch=None,
-                  global_batch: int = None, budget: str = "auto") -> list:
+                  global_batch: int = None, budget: str = "auto", autocast: str = None) -> list:
     """``memsched plan|memory``'s lines for ``model`` (a chain profile's path, or a SPEC estimated on fake
     tensors) under ``setup``: what is resident per device, the budget ``device_memory`` bytes leave for the step
     (default: the ``device`` spec's memory) and what sets the floor; with a target ``device``, the micro-batches
     tried (:func:`plan_for_device`) and the chosen one, whose estimate the rest describes, and when the device is
     this machine's, the chosen plan trained on it, measured beside the prediction (profiles/device_check.py). Each
-    step is planned within ``budget`` (``"auto"``: what the device leaves; bytes: no more for the step)."""
+    step is planned within ``budget`` (``"auto"``: what the device leaves; bytes: no more for the step); a SPEC's
+    step runs under ``autocast`` (``"bf16"``, ``"fp16"``; None: none), as the device casts."""
     memory = device_memory or (device and device.memory_bytes)
     flags = (["--global-batch"] if global_batch else []) + (["--batch auto"] if batch == "auto" else []) + (
         [f"--budget {budget}"] if budget != "auto" else [])
+    if autocast is not None and model.endswith(".json"):
+        raise MemschedError("--autocast captures a SPEC's step under autocast; a chain profile was profiled "
+                            "already: profile it with --autocast, or give the SPEC")
     for flag in flags:
         if device is None:
             raise MemschedError(f"{flag} plans the step for a device: give --device-spec")
@@ -197,9 +202,9 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
         from profiles.estimate import estimate_chain  # torch: not for a chain profile
 
         tried = device and plan_for_device(model, device, batch, setup, global_batch=global_batch,
-                                           device_memory=device_memory, budget=budget)
+                                           device_memory=device_memory, budget=budget, autocast=autocast)
         chosen = tried and best(tried)
-        name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch)
+        name, parameters, chain = chosen.estimate if tried else estimate_chain(model, batch, autocast=autocast)
         lines = [f"model      {name}: {parameters} trainable parameters (counted from its modules)"]
     workspace = render_memory.workspace_lines(device, memory) if device else []  # held beside the step
     memory = device.step_memory_bytes(device_memory) if device else memory
@@ -212,4 +217,4 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
     from profiles.device_check import measured_lines, present  # torch: trains on the device when it is here
 
     return (lines + ["", *render_memory.device_plan_lines(device, tried, chosen)]
-            + (measured_lines(model, chosen, device) if present(device) else []))
+            + (measured_lines(model, chosen, device, autocast) if present(device) else []))

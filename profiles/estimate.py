@@ -17,12 +17,13 @@ class Estimate(NamedTuple):
 
 
 def estimate_chain(spec: str, batch: int = None, *, with_chain: bool = True, device_spec=None,
-                   rates=None) -> Estimate:
+                   rates=None, autocast: str = None) -> Estimate:
     """The :class:`Estimate` of a model SPEC (as for :func:`profiles.spec.load_model`), built on fake tensors:
     nothing is allocated; the chain's sizes are exact, its times estimated at ``rates`` (a
     :class:`planner.rates.Rates`; default: FLOPs at the default throughput), or for a target ``device_spec``
-    (:func:`profiles.chain_profiler.profile_chain`) (``with_chain=False``: no chain)."""
-    model, _ = load_model(spec, batch=batch, estimate=True)
+    (:func:`profiles.chain_profiler.profile_chain`) (``with_chain=False``: no chain); ``autocast`` (``"bf16"``,
+    ``"fp16"``): its step under that autocast, as the target casts."""
+    model, _ = load_model(spec, batch=batch, estimate=True, autocast=autocast, device_spec=device_spec)
     parameters = sum(p.numel() for p in trainable_parameters(named_stages(model.stages)))
     chain = None if not with_chain else profile_chain(model.stages, model.example_inputs, loss_fn=model.loss_fn,
                                                       name=model.name, estimate=True, warmup=0, repeats=1,

@@ -71,17 +71,26 @@ def fake_copies(mode, built):
 
 
 @contextlib.contextmanager
-def faked_in_place(modules, inputs):
+def faked_in_place(modules, inputs, adopters: list = None):
     """Within the block, the parameters and buffers of the live ``modules`` are fake copies in one fresh
     ``FakeTensorMode`` (shared ones stay shared), and it yields fake copies of ``inputs``; afterwards every module
-    has its own tensors back, untouched: a live model estimated without copying its data."""
+    has its own tensors back, untouched: a live model estimated without copying its data. ``adopters``: a list the
+    block fills with modules made from the faked ones that refer to their tensors (the stages a capture cut):
+    afterwards those refer to the real tensors, so that they run on the model's own."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     replaced = _fake_modules(mode, modules)
     try:
         yield _fake_tree(mode, inputs)
     finally:
+        real = {id(table[name]): (table[name], tensor) for table, name, tensor in replaced}  # (the fake held)
         for table, name, tensor in replaced:
             table[name] = tensor
+        for module in adopters or ():
+            for sub in module.modules():
+                for table in (sub._parameters, sub._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None and id(tensor) in real:
+                            table[name] = real[id(tensor)][1]
 
 
 def _fake_modules(mode, modules) -> list:

@@ -222,7 +222,7 @@ class FittedModel(torch.nn.Module):
         check(setup, Run(compile=compile, graph=graph), interface="fit")
         fit_batch.checked(batch, global_batch, setup, device_spec)
         self.model = model
-        self.precision = planned_precision(autocast, model, type(model).__name__)  # profiles/precision.py
+        self.precision = planned_precision(autocast, model, type(model).__name__).for_target(device_spec)
         if graph and self.precision.dtype is not None:  # GPT-2: gradients off by bf16 rounding, 11% over its peak
             raise MemschedError(f"fit graph=True does not plan a step under {self.precision} (the joint graph's run "
                                 f"does not reproduce autocast's values and bytes): drop graph=True, or autocast=False")
@@ -251,6 +251,16 @@ class FittedModel(torch.nn.Module):
         s, say, started = self._settings, self._say, time.perf_counter()
         name = type(self.model).__name__
         say(f"fit: discovering {name}'s stages...")
+        if s["device_spec"] is not None:  # found and profiled on fake copies: nothing runs at the batch's size
+            adopters = []
+            with faked_in_place([self.model], example_inputs, adopters) as fakes:
+                with self.precision.capturing():
+                    discovery = self._discover(fakes)
+                adopters.extend([discovery.prelude, *(module for _, module in discovery.staged.stages)])
+                say(f"{name}: {len(discovery.staged.stages)} stages discovered in {seconds_since(started)}; "
+                    "estimating them...")
+                chain, plan = one_plan(lambda: self._solved(discovery, started, s["options"]))
+            return self._run_by(discovery, chain, plan)  # (its stages on the model's own tensors again)
         with self.precision.capturing():
             discovery = self._discover(example_inputs)
         staged = discovery.staged
@@ -263,13 +273,16 @@ class FittedModel(torch.nn.Module):
             discovery.staged = dataclasses.replace(staged, example_inputs=None)
             self._plans.append(planned)
             return planned
-        options = dict(s["options"])
-        optimizer, lr = options.pop("optimizer"), options.pop("lr")
-        chain, plan = one_plan(lambda: self._solved(discovery, started, options, estimated))
+        return self._run_by(discovery, *one_plan(lambda: self._solved(discovery, started, s["options"], estimated)))
+
+    def _run_by(self, discovery, chain, plan) -> _Planned:
+        """The module that runs ``discovery``'s stages by ``plan``, kept as the plan of its layout."""
+        s, staged = self._settings, discovery.staged
         # the example batch is not kept: it would sit in memory beside every step
         discovery.staged = dataclasses.replace(staged, example_inputs=None)
         homes = parameter_homes(self.model, staged.stages) if plan.setup.sharded else ()
-        run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=optimizer, lr=lr)
+        run = apply_plan(staged.stages, plan, chain, compile=s["compile"], optimizer=s["options"]["optimizer"],
+                         lr=s["options"]["lr"])
         adopt_sharded(homes)  # apply_plan sharded the stages with fully_shard: the model takes their parameters
         planned = _Planned(discovery, chain, plan, run, _modes(self.model))
         self._plans.append(planned)
@@ -283,16 +296,16 @@ class FittedModel(torch.nn.Module):
         MLP called at 4× its batch)."""
         s, say, staged, ordered = self._settings, self._say, discovery.staged, []
         name = type(self.model).__name__
+        options = {key: value for key, value in options.items() if key not in ("optimizer", "lr")}
 
         def check(so_far, pending):  # the budget against the floor as soon as it is known
             return refuse_early(staged, held_by_caller(so_far, discovery.returned_bytes), pending, s, say, ordered)
 
-        target = s["device_spec"]
-        faked = target is not None or estimated
-        with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if faked else
+        target = s["device_spec"]  # (its stages were found on fake tensors: _planned)
+        with (faked_in_place([module for _, module in staged.stages], staged.example_inputs) if estimated else
               contextlib.nullcontext(staged.example_inputs)) as inputs:
-            chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"), None if faked else check,
-                                   estimated=estimated)
+            chain = self._profiled(discovery, inputs, lambda line: say(f"  {line}"),
+                                   None if estimated or target else check, estimated=estimated)
         budget = None if s["budget"] == "auto" else budget_bytes(s["budget"], chain, s["setup"])
         if target:  # never more than the target's memory leaves beside the resident state
             left = activation_budget(chain, s["setup"], target.step_memory_bytes())

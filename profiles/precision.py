@@ -31,30 +31,48 @@ normalisation itself, the same tensors saved).
 
 import contextlib
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from planner.errors import MemschedError
+from profiles.cuda_autocast import cuda_autocast
 
 AUTOCAST_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
 class Precision:
-    """An autocast state: ``dtype`` (``torch.bfloat16`` or ``torch.float16``) on ``device_type``, or none."""
+    """An autocast state: ``dtype`` (``torch.bfloat16`` or ``torch.float16``) on ``device_type``, or none;
+    ``cuda_lists``: captured with CUDA's op lists on this CPU, for a CUDA target (profiles/cuda_autocast.py; the
+    state a fitted model is called under is the same either way)."""
 
     device_type: str
     dtype: torch.dtype = None
+    cuda_lists: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
-        return "no autocast" if self.dtype is None else f"{AUTOCAST_DTYPES[self.dtype]} autocast on {self.device_type}"
+        if self.dtype is None:
+            return "no autocast"
+        lists = " with CUDA's op lists" if self.cuda_lists and self.device_type != "cuda" else ""
+        return f"{AUTOCAST_DTYPES[self.dtype]} autocast on {self.device_type}{lists}"
 
+    def for_target(self, device_spec) -> "Precision":
+        """This state for an estimate on ``device_spec`` (a :class:`planner.devices.DeviceSpec`, or None: this
+        device): a CUDA target's autocast casts by CUDA's op lists."""
+        cuda = device_spec is not None and device_spec.allocator == "cuda" and self.dtype is not None
+        return replace(self, cuda_lists=cuda)
+
+    @contextlib.contextmanager
     def capturing(self):
         """This state exactly, whatever the caller's (an ambient autocast of another dtype or none set aside)."""
         if self.dtype is None:
-            return torch.autocast(self.device_type, enabled=False)
-        return torch.autocast(self.device_type, dtype=self.dtype)
+            with torch.autocast(self.device_type, enabled=False):
+                yield
+            return
+        with torch.autocast(self.device_type, dtype=self.dtype), \
+                cuda_autocast() if self.cuda_lists else contextlib.nullcontext():
+            yield
 
     def profiling(self):
         """Autocast off: captured stages hold their casts, and a backward runs outside autocast."""
@@ -79,6 +97,8 @@ def planned(autocast, model: torch.nn.Module, name: str) -> Precision:
     """The state ``fit(..., autocast=...)`` plans for: ``None``, the one active at the call (on the model's
     device); ``False``, none; ``torch.bfloat16`` or ``torch.float16``, that dtype's autocast."""
     device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if isinstance(autocast, str):
+        autocast = named_dtype(autocast, f"{name}: fit autocast")
     if autocast is None:
         return current(device_type)
     if autocast is False:
@@ -87,6 +107,14 @@ def planned(autocast, model: torch.nn.Module, name: str) -> Precision:
         raise MemschedError(f"{name}: fit autocast must be torch.bfloat16, torch.float16, False (none) or None (the "
                             f"autocast state active at fit), got {autocast!r}")
     return Precision(device_type, autocast)
+
+
+def named_dtype(name: str, where: str) -> torch.dtype:
+    """The autocast dtype ``bf16`` or ``fp16`` (or ``bfloat16``, ``float16``) names; a one-line error otherwise."""
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in dtypes:
+        raise MemschedError(f"{where} must be bf16 or fp16 (autocast's lower precision), got {name!r}")
+    return dtypes[name]
 
 
 def with_autocast_casts(program, device_type: str):

@@ -1,5 +1,6 @@
 """Seconds of code from a roofline per operation: each aten operation takes the larger of its FLOPs over the peak
-FLOP/s and its bytes over the memory bandwidth, plus a fixed cost (:class:`planner.rates.Rates`).
+FLOP/s (the 16-bit peak for an operation whose inputs are bf16 or fp16) and its bytes over the memory bandwidth,
+plus a fixed cost (:class:`planner.rates.Rates`).
 
 :class:`RooflineMode` is a ``TorchDispatchMode``; it runs under the ``FakeTensorMode`` an estimate runs in (nothing
 is allocated) as on real tensors. FLOPs are ``torch.utils.flop_counter``'s registered formulas, applied as
@@ -69,7 +70,7 @@ class RooflineMode(TorchDispatchMode):
             self.flops += flops
             self.bytes_moved += moved
             self.ops += 1
-            self.seconds += self.rates.seconds(flops, moved)
+            self.seconds += self.rates.seconds(flops, moved, _low_precision(args))
         return out
 
 
@@ -131,6 +132,12 @@ def _tensors(tree) -> list:
             seen.add(id(leaf))
             tensors.append(leaf)
     return tensors
+
+
+def _low_precision(args) -> bool:
+    """Whether an operation computes in 16 bits: its first floating-point tensor argument is bf16 or fp16."""
+    first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    return first is not None and first.dtype in (torch.bfloat16, torch.float16)
 
 
 def _first_tensor(args):

@@ -11,6 +11,7 @@
 factory as ``batch=N``. Every failure is a one-line :class:`MemschedError`.
 """
 
+import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -24,15 +25,21 @@ from planner.execute.stages import StagedModel, batch_part, default_loss, named_
 from profiles import zoo
 from profiles.discover import discover
 from profiles.fake_build import build_fake
+from profiles.precision import Precision, named_dtype
 
 _module_counter = itertools.count()
 
 
-def load_model(spec: str, *, batch: int = None, estimate: bool = False, part: tuple = None):
+def load_model(spec: str, *, batch: int = None, estimate: bool = False, part: tuple = None, autocast: str = None,
+               device_spec=None):
     """``(model, fake_mode)``: the :class:`planner.execute.stages.StagedModel` that ``spec`` names, its parameters,
     buffers and inputs fake tensors of one fresh ``FakeTensorMode`` when ``estimate`` (``fake_mode`` is then that
     mode, else None; see :func:`profiles.fake_build.build_fake`). ``part=(rank, world)``: on that data-parallel
-    rank's part of the batch (planner/execute/stages.py's ``batch_part``), cut before the stages are found."""
+    rank's part of the batch (planner/execute/stages.py's ``batch_part``), cut before the stages are found.
+    ``autocast`` (``"bf16"``, ``"fp16"``): a whole model's step captured under that autocast (by CUDA's op lists
+    for a CUDA ``device_spec``: profiles/precision.py), its stages computing in it."""
+    precision = None if autocast is None else Precision("cpu", named_dtype(autocast, "--autocast")).for_target(
+        device_spec)
     if _is_file_spec(spec):
         path, _, function = spec.partition(".py:") if ".py:" in spec else (spec[:-3], "", "build")
         factory = _file_factory(Path(path + ".py"), function or "build", batch)
@@ -45,8 +52,8 @@ def load_model(spec: str, *, batch: int = None, estimate: bool = False, part: tu
         name = model_name
     if estimate:
         mode, built = _call(lambda: build_fake(factory), spec)
-        return _as_model(built, name, spec), mode
-    return _as_model(_call(factory, spec), name, spec, part), None
+        return _as_model(built, name, spec, precision=precision), mode
+    return _as_model(_call(factory, spec), name, spec, part, precision), None
 
 
 def _is_file_spec(spec: str) -> bool:
@@ -84,12 +91,16 @@ def _call(factory, spec):
         raise MemschedError(f"{spec}: building the model failed: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
-def _as_model(built, name, spec, part=None):
+def _as_model(built, name, spec, part=None, precision=None):
     if part is not None:  # the rank's part of the batch; a whole model's stages are then found on it
         if isinstance(built, tuple) and len(built) in (2, 3) and _is_plain_module(built[0]):
             built = (built[0], batch_part(built[1], *part), *built[2:])
         else:
-            return rank_slice(_as_model(built, name, spec), *part)
+            return rank_slice(_as_model(built, name, spec, precision=precision), *part)
+    whole = isinstance(built, tuple) and len(built) in (2, 3) and _is_plain_module(built[0])
+    if precision is not None and not whole:
+        raise MemschedError(f"{spec}: --autocast captures a whole model's step under autocast, and this SPEC gives "
+                            "its stages: return (model, inputs) from the factory, or drop --autocast")
     if isinstance(built, StagedModel):
         return built
     if not isinstance(built, tuple) or len(built) not in (2, 3):
@@ -101,7 +112,8 @@ def _as_model(built, name, spec, part=None):
     if loss_fn is not None and not callable(loss_fn):
         raise MemschedError(f"{spec}: the factory's loss_fn must be callable, got {type(loss_fn).__name__}")
     if _is_plain_module(built[0]):
-        return discover(built[0], built[1], loss_fn, name=name).staged
+        with precision.capturing() if precision else contextlib.nullcontext():
+            return discover(built[0], built[1], loss_fn, name=name).staged
     stages, example_inputs = built[0], built[1]
     if isinstance(example_inputs, dict):
         raise MemschedError(f"{spec}: keyword inputs (a dict) are for a whole model whose stages memsched finds; "

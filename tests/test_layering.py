@@ -35,9 +35,9 @@ FACADE = {("planner", "profiles.fit")}
 @functools.cache
 def project(root: Path) -> dict:
     """``{module name: (path, imports, attribute chains)}`` for every module of planner/, solvers/, profiles/ and
-    cli.py, as :func:`_scan` finds them."""
+    cli.py and cli_arguments.py, as :func:`_scan` finds them."""
     paths = [path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))]
-    paths += [root / "cli.py"] if (root / "cli.py").exists() else []
+    paths += [root / name for name in ("cli.py", "cli_arguments.py") if (root / name).exists()]
     modules = {}
     for path in paths:
         parts = path.relative_to(root).with_suffix("").parts

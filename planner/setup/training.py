@@ -27,16 +27,24 @@ from planner.units import describe_bytes, format_bytes
 from planner.updates import check_update, host_stages_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
-PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16: mixed precision with an fp32 master copy
+# bf16/fp16: mixed precision with an fp32 master copy; pure-bf16: parameters, gradients and optimizer state in bf16,
+# no master copy (torchtune's full fine-tune on one device: the model built in bf16, a torch optimizer over it)
+PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 ITEMS = ("params", "grads", "master", "optimizer")
 
+# Optimizer state tensors per parameter. A torch optimizer's states have the dtype of what it updates: the fp32
+# master copy under mixed precision, else the parameter itself (bf16 under pure-bf16).
+_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "adam8bit": 2}
+# bitsandbytes' 8-bit Adam (0.50, Optimizer2State.init_state): a tensor of fewer than ADAM8BIT_MIN_ELEMENTS elements
+# (min_8bit_size) keeps two fp32 states; a larger one two uint8 states, an fp32 absmax per ADAM8BIT_BLOCK elements
+# for each, and the two 256-entry fp32 quantisation maps once per optimizer (ADAM8BIT_MAPS_BYTES)
+ADAM8BIT_MIN_ELEMENTS, ADAM8BIT_BLOCK, ADAM8BIT_MAPS_BYTES = 4096, 256, 2 * 256 * 4
 # Bytes per parameter before sharding, as exact fractions.
-_OPTIMIZER_BYTES = {"sgd": Fraction(0), "momentum": Fraction(4), "adam": Fraction(8), "adamw": Fraction(8),
-                    "adam8bit": Fraction(2) + Fraction(2 * 4, 256)}  # two uint8 states + an fp32 absmax per 256
 _PRECISION_BYTES = {"fp32": {"params": Fraction(4), "grads": Fraction(4), "master": Fraction(0)},
                     "bf16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(4)},
-                    "fp16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(4)}}
+                    "fp16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(4)},
+                    "pure-bf16": {"params": Fraction(2), "grads": Fraction(2), "master": Fraction(0)}}
 # The first ZeRO stage that shards each item over the data-parallel ranks.
 _SHARDED_FROM = {"optimizer": 1, "master": 1, "grads": 2, "params": 3}
 FP32_BYTES = 4  # a chain recording no parameter dtypes (no layout: synthetic chains) is counted in fp32
@@ -64,12 +72,15 @@ class TrainingSetup:
             raise MemschedError(f"optimizer: unknown {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:
             raise MemschedError(f"precision: unknown {self.precision!r}; use one of {', '.join(PRECISIONS)} "
-                                "(bf16, fp16: mixed precision with an fp32 master copy)")
+                                "(bf16, fp16: mixed precision with an fp32 master copy; pure-bf16: none)")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
             raise MemschedError(f"zero: the ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise MemschedError(f"dp: the number of data-parallel ranks must be a whole number >= 1, got {self.dp!r}")
         check_update(self.update)
+        if self.precision == "pure-bf16" and self.update == "on-host":
+            raise MemschedError("precision 'pure-bf16' does not mix with update 'on-host': the update on the host runs "
+                                "on an fp32 master copy there, which pure-bf16 training has none of; drop one of them")
         check_accumulate(self.accumulate)
         if self.host_stages is not None:
             if self.update != "on-host":
@@ -94,8 +105,18 @@ class TrainingSetup:
         return {"optimizer": self.optimizer, "precision": self.precision, "zero": self.zero, "dp": self.dp}
 
     def _unsharded(self) -> dict:
-        """Bytes per parameter of each item of :data:`ITEMS` before sharding, as exact fractions."""
-        return dict(_PRECISION_BYTES[self.precision], optimizer=_OPTIMIZER_BYTES[self.optimizer])
+        """Bytes per parameter of each item of :data:`ITEMS` before sharding, as exact fractions (8-bit Adam's
+        absmax per block of a large tensor: :func:`optimizer_state_bytes` counts each tensor exactly)."""
+        if self.optimizer == "adam8bit":
+            optimizer = _STATES["adam8bit"] * (1 + Fraction(4, ADAM8BIT_BLOCK))
+        else:
+            optimizer = Fraction(_STATES[self.optimizer] * self.state_element_bytes())
+        return dict(_PRECISION_BYTES[self.precision], optimizer=optimizer)
+
+    def state_element_bytes(self) -> int:
+        """Bytes of one element of a torch optimizer's state: that of what it updates (the fp32 master copy, or
+        the parameters in fp32 or, under ``pure-bf16``, in bf16)."""
+        return 2 if self.precision == "pure-bf16" else 4
 
     def _exact(self) -> dict:
         """Bytes per parameter on one device, after sharding, as exact fractions."""
@@ -138,7 +159,8 @@ class TrainingSetup:
 
     def describe(self) -> str:
         """``adam, bf16 mixed precision, ZeRO stage 2 over 8 data-parallel ranks``."""
-        precision = "fp32" if self.precision == "fp32" else f"{self.precision} mixed precision (fp32 master copy)"
+        precision = {"fp32": "fp32", "pure-bf16": "bf16 parameters, gradients and optimizer state (no master copy)"}.get(
+            self.precision, f"{self.precision} mixed precision (fp32 master copy)")
         zero = f"ZeRO stage {self.zero}" if self.zero else "no ZeRO"
         update = {"after": "", "in-backward": ", update in the backward",
                   "on-host": ", update in the backward on the host"}[self.update]
@@ -215,12 +237,35 @@ def layout_of(chain) -> tuple:
     return chain.layout
 
 
+def optimizer_state_bytes(setup: TrainingSetup, elements) -> int:
+    """Bytes of the optimizer state ``setup`` keeps for trainable tensors of ``elements`` elements each: a torch
+    optimizer's states per element (:meth:`TrainingSetup.state_element_bytes`); 8-bit Adam's per tensor, as
+    bitsandbytes allocates them (:data:`ADAM8BIT_MIN_ELEMENTS`, :data:`ADAM8BIT_BLOCK`, the maps once)."""
+    states = _STATES[setup.optimizer]
+    if setup.optimizer != "adam8bit":
+        return states * setup.state_element_bytes() * sum(elements)
+    small = sum(n for n in elements if n < ADAM8BIT_MIN_ELEMENTS)
+    large = [n for n in elements if n >= ADAM8BIT_MIN_ELEMENTS]
+    quantised = sum(n + 4 * math.ceil(n / ADAM8BIT_BLOCK) for n in large)
+    return states * (4 * small + quantised) + (ADAM8BIT_MAPS_BYTES if large else 0)
+
+
+def _exactly(chain, setup: TrainingSetup, sizes: dict, stages=None) -> dict:
+    """``sizes`` with the optimizer state of ``chain``'s trainable parameters (of ``stages``: None, all) counted
+    tensor by tensor (:func:`optimizer_state_bytes`) where its layout records them."""
+    if chain.layout is None:
+        return sizes
+    elements = [parameter.elements for k, stage in enumerate(chain.layout) if stages is None or k in stages
+                for parameter in stage if parameter.kind != "frozen"]
+    return dict(sizes, optimizer=optimizer_state_bytes(setup, elements))
+
+
 def device_sizes(chain, setup: TrainingSetup) -> dict:
     """Bytes per item of :data:`ITEMS` on a device: a sharded step's largest rank's, from the chain's parameter
     layout (:func:`planner.sharding.rank_parts`); other setups' :meth:`TrainingSetup.breakdown` of the chain's
     parameters."""
     if not setup.sharded:
-        return setup.breakdown(parameters_of(chain))
+        return _exactly(chain, setup, setup.breakdown(parameters_of(chain)))
     ranks = rank_parts(setup.zero, setup.dp, layout_of(chain), setup.per_parameter_byte(gradient_element_bytes(chain)))
     return max(ranks, key=lambda parts: parts["params"] + parts["master"] + parts["optimizer"])
 
@@ -232,7 +277,9 @@ def resident_parts_on_device(chain, setup: TrainingSetup) -> dict:
     setups' are :meth:`TrainingSetup.resident_parts` of the chain's parameters."""
     if setup.sharded:
         return {item: size for item, size in device_sizes(chain, setup).items() if item != "grads"}
-    return setup.resident_parts(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
+    parts = setup.resident_parts(parameters_of(chain), device_parameters(chain, setup, setup.host_stages))
+    host = host_stages_of(chain, setup.update, setup.host_stages)
+    return _exactly(chain, setup, parts, [k for k in range(chain.length) if k not in host])
 
 
 def resident_on_device(chain, setup: TrainingSetup) -> int:

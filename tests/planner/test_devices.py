@@ -29,7 +29,7 @@ def test_built_in_devices_by_name_with_data_sheet_figures():
         assert spec.name == name and spec.allocator == "cuda"
         assert "data sheet" in spec.source or "whitepaper" in spec.source
         assert spec.source and spec.memory_bytes >= 16 * GIB and spec.bf16_flops > spec.fp32_flops > 1e13
-        assert spec.flops(low_precision=True) == spec.bf16_flops and spec.flops(False) == spec.fp32_flops
+        assert spec.rates() == Rates(spec.fp32_flops, spec.memory_bandwidth, 0.0, spec.bf16_flops)
         assert 1e11 < spec.memory_bandwidth < 1e13 and spec.d2h_bandwidth == spec.h2d_bandwidth <= 64e9
         assert spec.op_overhead_s == 0  # no data sheet gives one
 
@@ -53,13 +53,12 @@ def test_a_cost_per_operation_is_optional_and_goes_into_the_rates(tmp_path):
     path.write_text(json.dumps(dict(GOOD, op_overhead_s=5e-6)))
     spec = device_spec(path)
     assert spec.op_overhead_s == 5e-6
-    assert spec.rates(low_precision=False) == Rates(3e13, 3e11, 5e-6)
-    assert spec.rates(low_precision=True) == Rates(1.2e14, 3e11, 5e-6)
+    assert spec.rates() == Rates(3e13, 3e11, 5e-6, 1.2e14)
     again = tmp_path / "again.json"
     again.write_text(json.dumps(spec.to_dict()))
     assert load_device_spec(again) == spec and spec.to_dict()["op_overhead_s"] == 5e-6
     path.write_text(json.dumps(GOOD))  # left out: none
-    assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates(False) == Rates(3e13, 3e11)
+    assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates() == Rates(3e13, 3e11, 0, 1.2e14)
 
 
 def test_a_cuda_device_states_its_compute_capability_and_the_workspace_it_holds(tmp_path, monkeypatch):

@@ -8,11 +8,21 @@ from checks import one_line
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.layout import ParameterRows
-from planner.setup.training import OPTIMIZERS, PRECISIONS, TrainingSetup, activation_budget, parameters_of
+from planner.setup.training import (
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainingSetup,
+    activation_budget,
+    device_sizes,
+    optimizer_state_bytes,
+    parameters_of,
+    resident_parts_on_device,
+)
 
 # (params, grads, master) by precision; optimizer state by optimizer; unsharded bytes per parameter.
-PRECISION_TABLE = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4)}
+PRECISION_TABLE = {"fp32": (4, 4, 0), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "pure-bf16": (2, 2, 0)}
 OPTIMIZER_TABLE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2 + 2 * 4 / 256}  # adam8bit: 2.03125
+PURE_BF16_OPTIMIZER = {"sgd": 0, "momentum": 2, "adam": 4, "adamw": 4, "adam8bit": 2 + 2 * 4 / 256}  # bf16 states
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -20,11 +30,12 @@ OPTIMIZER_TABLE = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "adam8bit": 2
 def test_bytes_per_parameter_table(optimizer, precision):
     setup = TrainingSetup(optimizer=optimizer, precision=precision)
     params, grads, master = PRECISION_TABLE[precision]
-    expected = {"params": params, "grads": grads, "master": master, "optimizer": OPTIMIZER_TABLE[optimizer]}
+    state = (PURE_BF16_OPTIMIZER if precision == "pure-bf16" else OPTIMIZER_TABLE)[optimizer]
+    expected = {"params": params, "grads": grads, "master": master, "optimizer": state}
     assert setup.per_parameter() == expected
     sizes = setup.breakdown(1024)  # 1024 parameters: whole bytes for every entry, adam8bit's 2.03125 included
     assert sizes == {item: int(value * 1024) for item, value in expected.items()}
-    assert setup.resident_bytes(1024) == (params + master + OPTIMIZER_TABLE[optimizer]) * 1024
+    assert setup.resident_bytes(1024) == (params + master + state) * 1024
     assert setup.gradient_bytes(1024) == grads * 1024
 
 
@@ -70,6 +81,31 @@ def test_the_zero_papers_figure_1(zero, gigabytes):
     exact = {0: 16 * psi, 1: 4 * psi + 12 * psi // 64, 2: 2 * psi + 14 * psi // 64, 3: 16 * psi // 64}[zero]
     assert total == exact  # 120e9, 31.40625e9, 16.640625e9, 1.875e9
     assert round(total / 1e9, 1) == gigabytes
+
+
+def test_pure_bf16_keeps_no_master_copy_and_its_optimizer_state_in_bf16():
+    setup = TrainingSetup("adamw", "pure-bf16")
+    assert sum(setup.per_parameter().values()) == 8  # torchtune's full fine-tune: 2 + 2 + 0 + 4
+    assert setup.describe().startswith("adamw, bf16 parameters, gradients and optimizer state (no master copy)")
+    with pytest.raises(MemschedError) as caught:
+        TrainingSetup("adam", "pure-bf16", update="on-host")
+    one_line(caught, "pure-bf16", "on-host", "fp32 master copy")
+
+
+def test_eight_bit_adam_counts_each_tensor_as_bitsandbytes_allocates_it():
+    # fewer than 4096 elements: two fp32 states; else two uint8 states and an fp32 absmax per 256 elements each,
+    # and the two quantisation maps of 256 fp32 once
+    elements = [100, 4095, 4096, 5000]
+    expected = 2 * 4 * (100 + 4095) + 2 * (4096 + 4 * 16) + 2 * (5000 + 4 * 20) + 2 * 256 * 4
+    assert optimizer_state_bytes(TrainingSetup("adam8bit"), elements) == expected == 54_088
+    assert optimizer_state_bytes(TrainingSetup("adam8bit"), [100]) == 800  # no map without an 8-bit tensor
+    assert optimizer_state_bytes(TrainingSetup("adam", "pure-bf16"), elements) == 4 * sum(elements)
+    layout = ((ParameterRows(50, 1600, "trainable"), ParameterRows(1, 400, "trainable")),  # 20 000 and 100 elements
+              (ParameterRows(4095, 4, "trainable"), ParameterRows(8, 4096, "frozen")))
+    chain = dataclasses.replace(_chain([80_400, 16_380]), layout=layout)
+    exact = 2 * (20_000 + 4 * 79) + 2 * 4 * (100 + 4095) + 2 * 256 * 4
+    assert device_sizes(chain, TrainingSetup("adam8bit"))["optimizer"] == exact
+    assert resident_parts_on_device(chain, TrainingSetup("adam8bit"))["optimizer"] == exact
 
 
 def test_fractional_bytes_round_up_per_item():

@@ -11,7 +11,7 @@ from torch import nn
 
 import cli
 from checks import one_error_line, raises_one_line, run
-from planner import load_chain, simulate
+from planner import fit, load_chain, simulate
 from planner.allocator import MIN_BLOCK, allocated_bytes
 from planner.devices import DEVICES, DeviceSpec, device_spec
 from planner.rates import Rates
@@ -67,21 +67,40 @@ def test_a_cuda_estimate_counts_the_allocators_blocks():
     assert peaks[1] > peaks[0]
 
 
-def test_the_spec_gives_the_throughput_and_the_device_label():
+def test_the_spec_gives_the_throughput_of_each_operations_precision_and_the_device_label():
     fp32, _ = estimate(device_spec=H100)
     bf16, _ = estimate(torch.bfloat16, device_spec=H100)
-    assert fp32.device == "h100-80gb (estimated at 6.7e+13 FLOP/s, 3.35e+12 B/s)"
-    assert bf16.device == "h100-80gb (estimated at 9.9e+14 FLOP/s, 3.35e+12 B/s)"  # a bf16 model: tensor cores
-    # the roofline at the spec's peak and memory bandwidth (profiles/roofline.py)
+    label = "h100-80gb (estimated at 6.7e+13 FLOP/s (9.9e+14 in 16-bit), 3.35e+12 B/s)"
+    assert fp32.device == bf16.device == label
+    # the roofline at the spec's peak and memory bandwidth (profiles/roofline.py): an fp32 model's operations at
+    # the fp32 peak, a bf16 model's at the tensor cores'
     assert fp32.compute_time == estimate(rates=Rates(H100.fp32_flops, H100.memory_bandwidth))[0].compute_time
     assert bf16.compute_time == estimate(torch.bfloat16,
                                          rates=Rates(H100.bf16_flops, H100.memory_bandwidth))[0].compute_time
+    assert 3 < fp32.compute_time / bf16.compute_time < H100.bf16_flops / H100.fp32_flops  # (bandwidth bounds some)
+
+
+def test_an_autocast_step_is_timed_at_the_16_bit_peak_where_its_operations_are_16_bit():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=1024, n_head=16, vocab_size=4096, n_positions=512)
+    with torch.device("meta"):  # (a width where matmuls, not bandwidth, set the time: sized on fake tensors)
+        model = GPT2LMHeadModel(config).train()
+    model = model.to_empty(device="cpu")
+    ids = torch.zeros(4, 512, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    timed = {}
+    for autocast in (False, torch.bfloat16):
+        fitted = fit(model, batch, "auto", device_spec=H100, autocast=autocast, progress=False, stage_options=0)
+        timed[autocast] = fitted.chain.compute_time
+    # its matmuls cast to bf16 (at 14.8x the fp32 peak); its norms, softmax and pointwise ops fp32 or bandwidth-bound
+    assert 2 < timed[False] / timed[torch.bfloat16] < H100.bf16_flops / H100.fp32_flops, timed
 
 
 def test_a_specs_cost_per_operation_is_in_its_rates_and_its_label():
     slow = dataclasses.replace(H100, name="slow-h100", op_overhead_s=5e-6)
     chain, _ = estimate(device_spec=slow)
-    assert chain.device == "slow-h100 (estimated at 6.7e+13 FLOP/s, 3.35e+12 B/s, 5e-06 s/op)"
+    assert chain.device == "slow-h100 (estimated at 6.7e+13 FLOP/s (9.9e+14 in 16-bit), 3.35e+12 B/s, 5e-06 s/op)"
     assert chain.compute_time == estimate(rates=Rates(H100.fp32_flops, H100.memory_bandwidth, 5e-6))[0].compute_time
     assert chain.compute_time > estimate(device_spec=H100)[0].compute_time
     assert sizes(chain) == sizes(estimate(device_spec=H100)[0])
@@ -98,7 +117,7 @@ def test_this_cpu_as_a_device_has_its_measured_rates_and_counts_storages_as_they
     rates = f"{cpu.fp32_flops:.3g} FLOP/s, {cpu.memory_bandwidth:.3g} B/s, {cpu.op_overhead_s:.3g} s/op"
     assert chain.device == f"this-cpu (estimated at {rates})"
     assert sizes(chain) == sizes(estimate()[0])
-    assert chain.compute_time == estimate(rates=cpu.rates(False))[0].compute_time
+    assert chain.compute_time == estimate(rates=cpu.rates())[0].compute_time
 
 
 def test_a_cpu_spec_counts_storages_as_they_are():
@@ -119,14 +138,15 @@ def test_profile_estimate_for_a_device_spec(tmp_path, capsys):
     status, out, err = run(capsys, "profile", GPT, "-o", str(output), "--estimate", "--device-spec", "l4")
     assert status == 0, err
     chain = load_chain(output)
-    assert chain.device == "l4 (estimated at 3.03e+13 FLOP/s, 3e+11 B/s)" and "on l4 (estimated" in out
+    assert chain.device == "l4 (estimated at 3.03e+13 FLOP/s (1.21e+14 in 16-bit), 3e+11 B/s)"
+    assert "on l4 (estimated" in out
     assert any(stage.options for stage in chain.stages)  # the options too (--options 4 by default)
     assert all(size % MIN_BLOCK == 0 for size in sizes(chain)) and chain.input_bytes == 512
     spec = tmp_path / "gpu.json"
     spec.write_text(json.dumps(dict(device_spec("a100-40gb").to_dict(), name="mine", fp32_flops=2e13)))
     assert cli.main(["profile", "mlp:layers=2,width=33,batch=3", "-o", str(output), "--estimate",
                      "--device-spec", str(spec)]) == 0
-    assert load_chain(output).device == "mine (estimated at 2e+13 FLOP/s, 1.56e+12 B/s)"
+    assert load_chain(output).device == "mine (estimated at 2e+13 FLOP/s (3.12e+14 in 16-bit), 1.56e+12 B/s)"
 
 
 @pytest.mark.parametrize("flags, fragments", [

@@ -4,14 +4,13 @@ searches; the chosen plan then trains the real model at that micro-batch with it
 
 import copy
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
 
 from checks import raises_one_line
 from discovery_models import MODELS
-from paths import ROOT
+from paths import ROOT, load_fixture
 from planner import fit
 from planner.devices import DeviceSpec
 from planner.execute.live_memory import LiveMemoryTracker
@@ -26,14 +25,6 @@ QUICK = dict(warmup=0, repeats=1, stage_options=0, returns="loss")
 # This CPU as a device of 12 MiB with a cost per operation: small micro-batches are launch-bound, large ones
 # must recompute (its figures only time the estimate)
 HERE = DeviceSpec("here", 12 << 20, 2e10, 2e10, 1e10, 1e10, 1e10, allocator="cpu", op_overhead_s=2e-5)
-
-
-def load_fixture(name: str):
-    """The module tests/fixtures/NAME.py."""
-    loaded = importlib.util.spec_from_file_location(f"fixture_{name}", ROOT / "tests" / "fixtures" / f"{name}.py")
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
