@@ -70,8 +70,8 @@ def add_setup_arguments(parser, training: bool = False) -> None:
         parser.add_argument("--optimizer", metavar="NAME",
                             help=f"optimizer whose state is resident: {', '.join(OPTIMIZERS)} (default: adam)")
         parser.add_argument("--precision", metavar="NAME",
-                            help=f"{', '.join(PRECISIONS)}; bf16, fp16: mixed precision with an fp32 master copy "
-                                 "(default: fp32)")
+                            help=f"{', '.join(PRECISIONS)}; bf16, fp16: mixed precision with an fp32 master copy; "
+                                 "pure-bf16: bf16 parameters and optimizer state, none (default: fp32)")
     parser.add_argument("--zero", type=int, metavar="STAGE",
                         help="ZeRO stage 0-3 over the --dp ranks: 1 shards optimizer state and master copy, "
                              "2 also gradients, 3 also parameters (default: 0; train --dp: 1-3, default 3)")

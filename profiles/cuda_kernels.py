@@ -14,6 +14,9 @@ meta registrations give them (``torch/_meta_registrations.py``; checked by tests
   is padded to ``(B, H, ceil(L / 32) * 32)``: that padding is added here. Not counted: the dropout seed and
   offset (a few bytes), and a model whose CPU attention takes the math path (softmax of ``(B, H, L, S)`` saved):
   the CUDA kernels save less, so such an estimate is high.
+- **LayerNorm** (``native_layer_norm``). On a 16-bit input the CPU kernel returns the mean and reciprocal
+  deviation its backward saves in the input's dtype; CUDA's in fp32 (PyTorch's reference ``native_layer_norm``
+  converts them back only on CPU): 4 bytes per normalised row each, not 2. They are made fp32 here.
 - **Dropout** (``torch.nn.functional.dropout``, as ``nn.Dropout`` and the Hugging Face models call it). On CPU it
   draws a noise tensor of the input's dtype, scales it and multiplies: the backward keeps that noise, one
   element as large as the input's per element. CUDA runs the fused ``native_dropout``, whose backward keeps a
@@ -30,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LSE_ALIGN = 32  # the memory-efficient kernel's log-sum-exp rows are padded to a multiple of this
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # (the 16-bit dtypes: flash attention's, LayerNorm's fp32 statistics)
 FLASH_MAX_HEAD = 256
 
 
@@ -50,6 +53,10 @@ class CudaKernelShapes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype in FLASH_DTYPES:
+            output, mean, rstd = out
+            return output, mean.new_empty(mean.shape, dtype=torch.float32), rstd.new_empty(rstd.shape,
+                                                                                        dtype=torch.float32)
         if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
             output, lse = out
             if cuda_attention_kernel(args[0], kwargs.get("attn_mask")) == "efficient":

@@ -102,3 +102,19 @@ def test_a_cuda_estimate_keeps_a_byte_per_element_for_dropout_where_the_cpu_keep
     elements = B * 1024
     # Both keep the output (the loss reads it) and, for `* 3`, nothing; dropout's noise (fp32) becomes a mask.
     assert cpu.saved_bytes - cuda.saved_bytes == allocated_bytes(elements * 4) - allocated_bytes(elements)
+
+
+def test_a_16_bit_layer_norm_keeps_the_fp32_statistics_cuda_makes():
+    meta = torch.ops.aten.native_layer_norm(torch.empty(B, L, E, dtype=torch.bfloat16, device="meta"), [E], None,
+                                            None, 1e-5)
+    for dtype, statistics in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+        with FakeTensorMode():
+            x = torch.randn(B, L, E, dtype=dtype, requires_grad=True)
+            cpu = F.layer_norm(x, (E,)).grad_fn._saved_result1
+            with CudaKernelShapes():
+                out = F.layer_norm(x, (E,))
+            mean = out.grad_fn._saved_result1
+            out.sum().backward()  # the CPU backward reads the fp32 statistics
+        assert mean.dtype == statistics and mean.shape == (B, L, 1) and out.dtype == dtype
+        assert cpu.dtype == dtype  # the CPU kernel's own
+    assert meta[1].dtype == torch.float32  # PyTorch's reference for a device that is not the CPU
