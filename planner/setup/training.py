@@ -159,8 +159,8 @@ class TrainingSetup:
 
     def describe(self) -> str:
         """``adam, bf16 mixed precision, ZeRO stage 2 over 8 data-parallel ranks``."""
-        precision = {"fp32": "fp32", "pure-bf16": "bf16 parameters, gradients and optimizer state (no master copy)"}.get(
-            self.precision, f"{self.precision} mixed precision (fp32 master copy)")
+        precision = {"fp32": "fp32", "pure-bf16": "bf16 parameters, gradients and optimizer state (no master copy)"}
+        precision = precision.get(self.precision, f"{self.precision} mixed precision (fp32 master copy)")
         zero = f"ZeRO stage {self.zero}" if self.zero else "no ZeRO"
         update = {"after": "", "in-backward": ", update in the backward",
                   "on-host": ", update in the backward on the host"}[self.update]
