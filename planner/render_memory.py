@@ -9,10 +9,11 @@ from planner.setup.training import ITEMS
 from planner.units import describe_bytes, format_bytes
 
 
-def setup_lines(setup, parameters: int, sizes: dict = None) -> list:
+def setup_lines(setup, parameters: int, sizes: dict = None, resident: int = None) -> list:
     """``memsched memory``'s table for a :class:`planner.setup.training.TrainingSetup`: per item, bytes per
-    parameter and bytes per device for ``parameters`` (``sizes``, when given: a sharded step's largest rank's),
-    then the resident bytes and those with gradients."""
+    parameter and bytes per device for ``parameters`` (``sizes``, when given: a chain's,
+    :func:`planner.setup.training.device_sizes`), then the ``resident`` bytes (default: parameters, master copy
+    and optimizer state of ``sizes``) and those with gradients."""
     per_parameter, sizes = setup.per_parameter(), sizes or setup.breakdown(parameters)
     labels = {"params": "parameters", "grads": "gradients", "master": "fp32 master copy",
               "optimizer": "optimizer state"}
@@ -20,8 +21,7 @@ def setup_lines(setup, parameters: int, sizes: dict = None) -> list:
     for item in ITEMS:
         lines.append(f"{labels[item]:<18} {per_parameter[item]:>11.6g} {sizes[item]:>16} "
                      f"{format_bytes(sizes[item]):>11}")
-    resident = sizes["params"] + sizes["master"] + sizes["optimizer"] if setup.sharded else \
-        setup.resident_bytes(parameters)
+    resident = sizes["params"] + sizes["master"] + sizes["optimizer"] if resident is None else resident
     total = resident + sizes["grads"]
     return lines + [f"{'resident':<18} {'':>11} {resident:>16} {format_bytes(resident):>11}   "
                     "parameters + master copy + optimizer state, before the step",

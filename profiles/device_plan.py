@@ -210,7 +210,8 @@ def memory_report(model: str, setup: TrainingSetup, device_memory: int = None, d
     memory = device.step_memory_bytes(device_memory) if device else memory
     budget = (["give --device-memory (e.g. 80GiB) for the activation budget a device leaves"] if memory is None
               else workspace + device_budget_report(chain, setup, memory, parameters))
-    lines += (render_memory.setup_lines(setup, parameters, device_sizes(chain, setup)) + budget
+    lines += (render_memory.setup_lines(setup, parameters, device_sizes(chain, setup),
+                                         resident_on_device(chain, setup)) + budget
               + render_memory.floor_lines(whole_step_floors(chain, setup)))
     if not tried:
         return lines

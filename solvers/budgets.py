@@ -23,7 +23,6 @@ from planner.setup.training import (
 from planner.simulate import simulate
 from planner.simulate.chain import ChainSimulator
 from planner.units import describe_bytes, parse_budget
-from planner.updates import UPDATES
 from solvers import OFFLOAD_SOLVERS, solve, store_all_peak
 from solvers.minimum import least_memory_schedule, minimum_budget
 
@@ -123,7 +122,7 @@ def whole_step_floors(chain, setup: TrainingSetup) -> list:
     optimizer, precision and ZeRO stage (its own update ignored; on the host, every stage): its ``total`` is
     :func:`least_device_memory`, the least memory ``solve --budget auto`` accepts (stage options used)."""
     floors, steps = [], {}
-    for update in ("after",) if setup.sharded else UPDATES:  # a sharded step updates after the backward
+    for update in setup.updates():  # (a sharded step's after the backward; pure-bf16's not on the host)
         trained = dataclasses.replace(setup, update=update, host_stages=None)
         parts = resident_parts_on_device(chain, trained)
         # on the host the step's bytes are in-backward's (its copies take time only): one least schedule for both
@@ -210,7 +209,7 @@ def solve_for_budget(chain, budget: str, solver: str, setup: TrainingSetup, devi
         return plan, f"{how}; update after, the only one a sharded step takes"
     transfer = params.pop("transfer", None) or chain.transfer
     candidates = [(dataclasses.replace(setup, update=update), {}) for update in ("after", "in-backward")]
-    if transfer is not None and transfer.usable:  # the largest stages first: the most state moved per copy
+    if transfer is not None and transfer.usable and "on-host" in setup.updates():  # the largest stages first
         by_size = sorted((k for k, stage in enumerate(chain.stages) if stage.param_bytes),
                          key=lambda k: -chain.stages[k].param_bytes)
         candidates += [(dataclasses.replace(setup, update="on-host", host_stages=hosted), dict(transfer=transfer))

@@ -24,7 +24,7 @@ from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
 from planner.sharding import rank_parts
 from planner.units import describe_bytes, format_bytes
-from planner.updates import check_update, host_stages_of
+from planner.updates import UPDATES, check_update, host_stages_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
 # bf16/fp16: mixed precision with an fp32 master copy; pure-bf16: parameters, gradients and optimizer state in bf16,
@@ -89,6 +89,13 @@ class TrainingSetup:
             object.__setattr__(self, "host_stages", _indices(self.host_stages, "host_stages"))
         if self.host_weights is not None and self.host_weights != "all":
             object.__setattr__(self, "host_weights", _indices(self.host_weights, "weights"))
+
+    def updates(self) -> tuple:
+        """The updates (:data:`planner.updates.UPDATES`) this setup's other fields take: a sharded step's is after
+        the backward; pure-bf16 training has no fp32 master copy for the update on the host."""
+        if self.sharded:
+            return ("after",)
+        return tuple(update for update in UPDATES if not (update == "on-host" and self.precision == "pure-bf16"))
 
     @property
     def sharded(self) -> bool:
