@@ -3,9 +3,9 @@
 A spec says what a plan for a device you may not have needs to know of it: its memory (bytes), its peak dense
 throughput in bf16 on tensor cores and in plain fp32 (FLOP/s), its memory bandwidth and its host link, each
 way (bytes/s), its allocator (``"cuda"``: planner/allocator.py rounds every block as PyTorch's caching
-allocator does; ``"cpu"``: bytes as they are) and, optionally, a fixed cost per operation (seconds: a launch,
-the framework's dispatch; 0 for the built-in GPUs, whose data sheets give none, so that a small model's estimate,
-launch-bound on a real GPU, is faster than its real step) and, for a CUDA device, its compute capability ("9.0":
+allocator does; ``"cpu"``: bytes as they are), a cost per operation (seconds: on a CUDA device the host's launch of
+its kernel, which runs ahead of the device, so that an operation takes at least that long; on a CPU the
+framework's dispatch before its kernel, added to it) and, for a CUDA device, its compute capability ("9.0":
 it sets the cuBLAS workspace the device holds, planner/blas_workspace.py; left out, that workspace is not
 counted). The built-in figures are the vendors' data sheets',
 dense (half the "with sparsity" tensor-core figures), each spec naming its source. Memory is the board's, the
@@ -40,8 +40,9 @@ GIB, TERA, GIGA = 1 << 30, 1e12, 1e9
 class DeviceSpec:
     """One device: ``memory_bytes`` (bytes), ``bf16_flops`` and ``fp32_flops`` (peak dense FLOP/s),
     ``memory_bandwidth``, ``d2h_bandwidth`` and ``h2d_bandwidth`` (bytes/s), ``allocator`` ("cuda" or "cpu")
-    ``source`` (where the figures come from), ``op_overhead_s`` (seconds every operation costs on top of the
-    roofline; 0: none) and ``compute_capability`` (a CUDA device's, "MAJOR.MINOR"; None: not known)."""
+    ``source`` (where the figures come from), ``op_overhead_s`` (seconds of each operation's launch: on CUDA the
+    least an operation takes, on a CPU added to its roofline; 0: none) and ``compute_capability`` (a CUDA
+    device's, "MAJOR.MINOR"; None: not known)."""
 
     name: str
     memory_bytes: int
@@ -57,8 +58,10 @@ class DeviceSpec:
 
     def rates(self) -> Rates:
         """The :class:`Rates` an estimate for this device assumes: fp32 peak FLOP/s, its bf16/fp16 peak for
-        operations on 16-bit inputs, its memory bandwidth and its cost per operation."""
-        return Rates(self.fp32_flops, self.memory_bandwidth, self.op_overhead_s, self.bf16_flops)
+        operations on 16-bit inputs, its memory bandwidth and its cost per operation (a CUDA device's the floor of
+        each operation's time, a CPU's added to it)."""
+        return Rates(self.fp32_flops, self.memory_bandwidth, self.op_overhead_s, self.bf16_flops,
+                     overhead_overlaps=self.allocator == "cuda")
 
     def transfer(self) -> Transfer:
         """The host link as a copy channel (planner/transfer.py): the data sheet's peak each way, no latency; a
@@ -80,13 +83,22 @@ class DeviceSpec:
         return {"format": DEVICE_FORMAT, **{field: getattr(self, field) for field in fields}}
 
 
+# Seconds the host takes to launch one CUDA kernel from PyTorch's eager mode: the low end of the 5-20 us that Meta's
+# Holistic Trace Analysis documentation ("CUDA kernel launch statistics") gives as the usual CPU-side launch time.
+# A kernel shorter than its launch leaves the device waiting: each operation takes at least this long.
+LAUNCH_S = 5e-6
+_LAUNCH = ("; a kernel launch 5 us: the low end of the usual 5-20 us CPU-side launch time (Holistic Trace "
+           "Analysis documentation, CUDA kernel launch statistics)")
+
+
 def _pcie(gigabytes_per_second: float, name: str, memory_gib: int, bf16_tflops: float, fp32_tflops: float,
           bandwidth_gbps: float, source: str, capability: str) -> DeviceSpec:
     """A CUDA board on PCIe whose data sheet gives the link's both directions together (``gigabytes_per_second``):
-    half of it each way; ``capability``: its compute capability (NVIDIA's CUDA GPUs table)."""
+    half of it each way; ``capability``: its compute capability (NVIDIA's CUDA GPUs table); each operation at
+    least a kernel launch (:data:`LAUNCH_S`)."""
     each_way = gigabytes_per_second * GIGA / 2
     return DeviceSpec(name, memory_gib * GIB, bf16_tflops * TERA, fp32_tflops * TERA, bandwidth_gbps * GIGA,
-                      each_way, each_way, "cuda", source, compute_capability=capability)
+                      each_way, each_way, "cuda", source + _LAUNCH, LAUNCH_S, compute_capability=capability)
 
 
 _H100 = "NVIDIA H100 Tensor Core GPU data sheet (2023): BF16 1,979 TFLOPS with sparsity"

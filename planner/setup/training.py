@@ -258,9 +258,10 @@ def optimizer_state_bytes(setup: TrainingSetup, elements) -> int:
 
 
 def _exactly(chain, setup: TrainingSetup, sizes: dict, stages=None) -> dict:
-    """``sizes`` with the optimizer state of ``chain``'s trainable parameters (of ``stages``: None, all) counted
-    tensor by tensor (:func:`optimizer_state_bytes`) where its layout records them."""
-    if chain.layout is None:
+    """``sizes`` with 8-bit Adam's state of ``chain``'s trainable parameters (of ``stages``: None, all) counted
+    tensor by tensor (:func:`optimizer_state_bytes`) where its layout records them (a torch optimizer's state is
+    its parameters' count times a constant, as ``sizes`` has it)."""
+    if chain.layout is None or setup.optimizer != "adam8bit":
         return sizes
     elements = [parameter.elements for k, stage in enumerate(chain.layout) if stages is None or k in stages
                 for parameter in stage if parameter.kind != "frozen"]

@@ -1,13 +1,14 @@
 """A target device as data (planner/devices.py): the built-in specs by name, a ``memsched.device/1`` file, and every
 bad name, file or figure refused in one line naming the field and the fix."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from checks import raises_one_line
-from planner.devices import DEVICE_FORMAT, DEVICES, DeviceSpec, device_spec, load_device_spec
+from planner.devices import DEVICE_FORMAT, DEVICES, LAUNCH_S, DeviceSpec, device_spec, load_device_spec
 from planner.rates import Rates
 from planner.transfer import Transfer
 
@@ -29,9 +30,9 @@ def test_built_in_devices_by_name_with_data_sheet_figures():
         assert spec.name == name and spec.allocator == "cuda"
         assert "data sheet" in spec.source or "whitepaper" in spec.source
         assert spec.source and spec.memory_bytes >= 16 * GIB and spec.bf16_flops > spec.fp32_flops > 1e13
-        assert spec.rates() == Rates(spec.fp32_flops, spec.memory_bandwidth, 0.0, spec.bf16_flops)
+        assert spec.rates() == Rates(spec.fp32_flops, spec.memory_bandwidth, LAUNCH_S, spec.bf16_flops, True)
         assert 1e11 < spec.memory_bandwidth < 1e13 and spec.d2h_bandwidth == spec.h2d_bandwidth <= 64e9
-        assert spec.op_overhead_s == 0  # no data sheet gives one
+        assert spec.op_overhead_s == LAUNCH_S == 5e-6 and "Holistic Trace Analysis" in spec.source  # (cited)
 
 
 def test_a_device_file_round_trips(tmp_path):
@@ -53,12 +54,16 @@ def test_a_cost_per_operation_is_optional_and_goes_into_the_rates(tmp_path):
     path.write_text(json.dumps(dict(GOOD, op_overhead_s=5e-6)))
     spec = device_spec(path)
     assert spec.op_overhead_s == 5e-6
-    assert spec.rates() == Rates(3e13, 3e11, 5e-6, 1.2e14)
+    assert spec.rates() == Rates(3e13, 3e11, 5e-6, 1.2e14, overhead_overlaps=True)  # a CUDA device: a floor
+    # each operation takes the longer of its launch and its kernel on a CUDA device; a CPU's dispatch adds
+    assert spec.rates().seconds(0, 3e11 * 1e-6) == 5e-6 and spec.rates().seconds(0, 3e11 * 1e-5) == 1e-5
+    cpu = dataclasses.replace(spec, allocator="cpu")
+    assert cpu.rates().seconds(0, 3e11 * 1e-6) == pytest.approx(6e-6)
     again = tmp_path / "again.json"
     again.write_text(json.dumps(spec.to_dict()))
     assert load_device_spec(again) == spec and spec.to_dict()["op_overhead_s"] == 5e-6
     path.write_text(json.dumps(GOOD))  # left out: none
-    assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates() == Rates(3e13, 3e11, 0, 1.2e14)
+    assert device_spec(path).op_overhead_s == 0 and device_spec(path).rates() == Rates(3e13, 3e11, 0, 1.2e14, True)
 
 
 def test_a_cuda_device_states_its_compute_capability_and_the_workspace_it_holds(tmp_path, monkeypatch):
