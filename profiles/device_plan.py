@@ -21,10 +21,10 @@ from planner import render_memory
 from planner.chain import load_chain
 from planner.devices import device_spec
 from planner.errors import MemschedError
-from planner.setup import TrainingSetup
+from planner.setup import TrainingSetup, account
 from planner.setup.training import device_sizes, parameters_of, resident_on_device
 from planner.units import describe_bytes, parse_budget
-from solvers.budgets import budget_of, device_budget_report, least_device_memory, solve_within, whole_step_floors
+from solvers.budgets import budget_of, device_budget_report, least_budget, solve_within, whole_step_floors
 
 THIS_CPU = "cpu"  # the --device-spec name of this machine's CPU, its rates measured (profiles/cpu_rates.py)
 MAX_BATCH = 1 << 16  # the largest micro-batch --batch auto tries
@@ -92,7 +92,7 @@ def judged(estimate, batch: int, accumulate: int, device, setup: TrainingSetup, 
         return Candidate(batch, accumulate, estimate, None,
                          why=_short(exc, chain, trained, device) if budget == "auto" else str(exc))
     seconds = accumulate * plan.predicted.time + update_seconds(chain, trained, device)
-    peak = device.blas_workspace().held + resident_on_device(chain, trained) + plan.predicted.peak_bytes
+    peak = account(chain, trained, device, plan.predicted.peak_bytes).total
     return Candidate(batch, accumulate, estimate, plan, peak, seconds, batch * accumulate / seconds)
 
 
@@ -156,7 +156,7 @@ def _short(exc: MemschedError, chain, setup: TrainingSetup, device) -> str:
     """Why a candidate does not fit, short: the least device memory its setup needs on ``device`` (the cuBLAS
     workspaces it holds included), else the error."""
     try:
-        least = least_device_memory(chain, setup) + device.blas_workspace().held
+        least = account(chain, setup, device, least_budget(chain, setup)).total
         return f"needs {describe_bytes(least)} of device memory"
     except MemschedError:
         return str(exc)

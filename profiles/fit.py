@@ -28,7 +28,7 @@ from planner.execute.sharded import check_sharded_run
 from planner.execute.stages import batch_resized, batch_size
 from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
-from planner.setup.training import activation_budget
+from planner.setup.account import activation_budget
 from planner.simulate import micro_batch_peaks
 from planner.units import format_bytes
 from profiles import fit_batch

@@ -11,13 +11,11 @@ from typing import NamedTuple, Optional
 
 from planner import render, render_memory
 from planner.errors import MemschedError
-from planner.setup import TrainingSetup, lower
+from planner.setup import TrainingSetup, account, lower
+from planner.setup.account import activation_budget, describe_auto_budget
 from planner.setup.training import (
-    activation_budget,
-    describe_auto_budget,
     extra_gradient_bytes,
     parameters_of,
-    resident_on_device,
     resident_parts_on_device,
 )
 from planner.simulate import simulate
@@ -80,7 +78,7 @@ def least_budget(chain, setup: TrainingSetup, solver: str = "auto") -> int:
 
 def least_device_memory(chain, setup: TrainingSetup, solver: str = "auto") -> int:
     """Bytes: the least device memory whose ``--budget auto`` (:func:`budget_of`) reaches :func:`least_budget`."""
-    return resident_on_device(chain, setup) + extra_gradient_bytes(chain, setup) + least_budget(chain, setup, solver)
+    return account(chain, setup, step=least_budget(chain, setup, solver)).total
 
 
 def device_budget_report(chain, setup, device_memory: int, parameters: int) -> list:

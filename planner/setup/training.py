@@ -23,7 +23,6 @@ from fractions import Fraction
 from planner.accumulate import check_accumulate
 from planner.errors import MemschedError
 from planner.sharding import rank_parts
-from planner.units import describe_bytes, format_bytes
 from planner.updates import UPDATES, check_update, host_stages_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
@@ -301,45 +300,3 @@ def extra_gradient_bytes(chain, setup: TrainingSetup) -> int:
     than the model's parameters make: fp32 gradients for a model built in bf16; the chain's gradients stand in
     for the setup's, which are never larger otherwise)."""
     return max(0, setup.gradient_bytes(parameters_of(chain)) - chain_gradient_bytes(chain))
-
-
-def activation_budget(chain, setup: TrainingSetup, device_memory: int) -> int:
-    """Bytes left for the chain's step budget (activations, temporaries and the chain's parameter gradients)
-    once ``setup``'s resident state is on a device of ``device_memory`` bytes.
-
-    ``device_memory - resident_bytes(P) - max(0, gradient_bytes(P) - sum(param_bytes))`` with
-    ``P = parameters_of(chain)``: the chain's gradients stand in for the setup's, which are never larger
-    (16-bit or ZeRO-sharded gradients are smaller; the difference is not credited: docs/model.md).
-    A one-line :class:`MemschedError` when nothing is left.
-    """
-    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
-        raise MemschedError(f"device memory: expected a whole number of bytes >= 1, got {device_memory!r}")
-    parameters = parameters_of(chain)
-    resident = resident_on_device(chain, setup)
-    extra_gradients = extra_gradient_bytes(chain, setup)
-    budget = device_memory - resident - extra_gradients
-    if budget <= 0:
-        extra = f" and {extra_gradients} bytes of gradients beyond the chain's" if extra_gradients else ""
-        raise MemschedError(
-            f"no memory left for activations: {parameters} parameters with {setup.describe()} keep "
-            f"{resident} bytes resident{extra}, at least the device's {device_memory} bytes; "
-            "use a larger device, more ranks or a higher ZeRO stage")
-    return budget
-
-
-def describe_auto_budget(chain, setup: TrainingSetup, device_memory: int) -> str:
-    """How :func:`activation_budget` comes from ``device_memory`` bytes: ``device ... - resident ... for P
-    parameters (setup)``, with the gradients beyond the chain's it takes off, and a note when the chain counts
-    more gradient bytes than the setup has."""
-    parameters = parameters_of(chain)
-    resident = resident_on_device(chain, setup)
-    some = "" if setup.host_stages is None else f" for {len(setup.host_stages)} of {chain.length} stages"
-    how = (f"device {describe_bytes(device_memory)} - resident {describe_bytes(resident)} for {parameters} parameters "
-           f"({setup.describe()}{some})")
-    extra_gradients = extra_gradient_bytes(chain, setup)
-    if extra_gradients:
-        how += f" - {extra_gradients} bytes of gradients beyond the chain's"
-    if setup.gradient_bytes(parameters) < chain_gradient_bytes(chain) and not setup.sharded:  # (sharded: lowered)
-        how += (f"; the chain counts its gradients ({format_bytes(chain_gradient_bytes(chain))}), the setup's "
-                f"are {format_bytes(setup.gradient_bytes(parameters))}")
-    return how

@@ -7,7 +7,8 @@ import solvers
 from checks import one_error_line, run
 from paths import EXAMPLE
 from planner import load_chain, load_plan, save_chain
-from planner.setup.training import TrainingSetup, activation_budget, parameters_of
+from planner.setup.account import activation_budget
+from planner.setup.training import TrainingSetup, parameters_of
 from planner.sharding import rank_residents
 from profiles.synthetic import random_chain
 

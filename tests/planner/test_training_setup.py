@@ -8,11 +8,11 @@ from checks import one_line
 from planner.chain import Chain
 from planner.errors import MemschedError
 from planner.layout import ParameterRows
+from planner.setup.account import activation_budget
 from planner.setup.training import (
     OPTIMIZERS,
     PRECISIONS,
     TrainingSetup,
-    activation_budget,
     device_sizes,
     optimizer_state_bytes,
     parameters_of,

@@ -12,7 +12,8 @@ import pytest
 from checks import one_error_line, raises_one_line, run
 from planner.devices import DEVICES, DeviceSpec
 from planner.setup import TrainingSetup
-from planner.setup.training import activation_budget, device_sizes, parameters_of, resident_on_device
+from planner.setup.account import activation_budget
+from planner.setup.training import device_sizes, parameters_of, resident_on_device
 from planner.units import describe_bytes
 from profiles.device_plan import best, plan_for_device, target_device, update_seconds
 from profiles.estimate import estimate_chain

@@ -11,7 +11,8 @@ from planner.devices import DEVICES, DeviceSpec
 from planner.errors import MemschedError
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.setup import TrainingSetup
-from planner.setup.training import activation_budget, resident_on_device
+from planner.setup.account import activation_budget
+from planner.setup.training import resident_on_device
 from profiles.memory import storage_bytes
 from solvers import store_all_peak
 from solvers.minimum import minimum_budget
