@@ -116,11 +116,10 @@ def _profile(args) -> None:
         raise MemschedError(f"{flag} is what --estimate assumes of the device: give it with --estimate")
     # A graph estimate builds the model for real (its parameters and inputs) and traces the step on fake
     # tensors: a model built under fake tensors leaves fake constants (targets) that the capture refuses.
-    for flag in _given(args, "--bandwidth", "--device-spec") if args.graph else ():
-        raise MemschedError(f"{flag} is for chain profiles; a graph profile has no copy channel nor device spec")
+    check(TrainingSetup(), Run(graph=args.graph, target=args.device_spec is not None, autocast=bool(args.autocast)))
+    if args.graph and args.bandwidth is not None:
+        raise MemschedError("--bandwidth is for chain profiles; a graph profile has no copy channel")
     channel, target = _channel(args), args.device_spec and target_device(args.device_spec)  # "cpu": measured
-    if args.graph and args.autocast:
-        raise MemschedError("--autocast is for chain profiles; a graph profile's step is not captured under autocast")
     model, _ = load_model(args.spec, batch=args.batch, estimate=args.estimate and not args.graph,
                           autocast=args.autocast, device_spec=target or None)
     if args.graph:

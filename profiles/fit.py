@@ -154,21 +154,18 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
                        warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, setup=setup,
                        options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph, autocast=autocast,
-                       returns=returns, say=say, device_spec=_target(device_spec, budget, graph), batch=batch,
+                       returns=returns, say=say, device_spec=_target(device_spec, budget), batch=batch,
                        global_batch=global_batch)
 
 
-def _target(device_spec, budget, graph: bool):
+def _target(device_spec, budget):
     """The :class:`planner.devices.DeviceSpec` :func:`fit` plans for (None: this device, measured), refusing
-    ``budget="auto"`` without one and a graph plan with one in one line."""
+    ``budget="auto"`` without one in one line (what does not mix with one: planner/setup/rules.py)."""
     if device_spec is None:
         if budget == "auto":
             raise MemschedError("fit budget 'auto' is what a device's memory leaves: give device_spec= (a "
                                 "planner.devices.DeviceSpec or a name such as 'h100-80gb'), or a budget in bytes")
         return None
-    if graph:
-        raise MemschedError("fit device_spec= plans a chain of stages on fake tensors; graph=True profiles the joint "
-                            "graph on this device: drop one of them")
     return device_spec if isinstance(device_spec, DeviceSpec) else target_device(device_spec)
 
 
@@ -219,13 +216,12 @@ class FittedModel(torch.nn.Module):
                                 "of stages (drop graph=True), which every rank then runs")
         if budget != "auto":
             budget_bytes(budget, None)  # an unreadable budget fails before any profiling, and so does a bad setup
-        check(setup, Run(compile=compile, graph=graph), interface="fit")
-        fit_batch.checked(batch, global_batch, setup, device_spec)
+        fit_batch.checked(batch, global_batch)
         self.model = model
         self.precision = planned_precision(autocast, model, type(model).__name__).for_target(device_spec)
-        if graph and self.precision.dtype is not None:  # GPT-2: gradients off by bf16 rounding, 11% over its peak
-            raise MemschedError(f"fit graph=True does not plan a step under {self.precision} (the joint graph's run "
-                                f"does not reproduce autocast's values and bytes): drop graph=True, or autocast=False")
+        check(setup, Run(compile=compile, graph=graph, target=device_spec is not None,
+                         autocast=self.precision.dtype is not None, batch_search=batch == "auto",
+                         global_batch=global_batch is not None), interface="fit")
         self.returns = _returns(returns, setup, graph, global_batch)
         self._settings = dict(budget=budget, loss_fn=loss_fn, solver=solver, max_stages=max_stages,
                               warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,

@@ -31,23 +31,15 @@ class Batching(NamedTuple):
     searched: tuple = ()
 
 
-def checked(batch, global_batch, setup: TrainingSetup, device) -> None:
+def checked(batch, global_batch) -> None:
     """:func:`fit`'s ``batch`` and ``global_batch`` refused in one line when they cannot be: ``batch`` not None,
-    ``"auto"`` or a positive int, ``"auto"`` without a device to search on, a ``global_batch`` not a positive int
-    or given beside an accumulation of its own."""
+    ``"auto"`` or a positive int, a ``global_batch`` not a positive int (what they do not mix with, or need:
+    planner/setup/rules.py)."""
     if not (batch is None or batch == "auto" or _positive(batch)):
         raise MemschedError(f"fit batch: 'auto' (the fastest on device_spec), a micro-batch size (a positive int) or "
                             f"None (the example's), not {batch!r}")
-    if batch == "auto" and device is None:
-        raise MemschedError("fit batch='auto' searches the micro-batch that trains fastest on a device: give "
-                            "device_spec= (a name such as 'h100-80gb', or 'cpu', this machine measured)")
-    if global_batch is None:
-        return
-    if not _positive(global_batch):
+    if global_batch is not None and not _positive(global_batch):
         raise MemschedError(f"fit global_batch: samples per optimizer step, a positive int, not {global_batch!r}")
-    if setup.accumulate != 1:
-        raise MemschedError(f"fit global_batch={global_batch} sets the micro-batches accumulated (global_batch / "
-                            f"the micro-batch); drop accumulate={setup.accumulate}")
 
 
 def batching(example_batch: int, batch, global_batch, setup: TrainingSetup, estimate_at, device, budget,

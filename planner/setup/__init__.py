@@ -3,7 +3,7 @@ chain it makes of a chain (:mod:`.lower`) and what a device holds for its step (
 
 from planner.setup.account import Account, account
 from planner.setup.lower import Lowered, lower
-from planner.setup.rules import FLAGS, RULES, Run, check
+from planner.setup.rules import FLAGS, NEEDS, RULES, Run, check
 from planner.setup.training import TrainingSetup
 
-__all__ = ["TrainingSetup", "RULES", "FLAGS", "Run", "check", "lower", "Lowered", "account", "Account"]
+__all__ = ["TrainingSetup", "RULES", "NEEDS", "FLAGS", "Run", "check", "lower", "Lowered", "account", "Account"]

@@ -14,7 +14,7 @@ from planner.accumulate import accumulating_chain, held_gradient_bytes
 from planner.chain import load_chain
 from planner.errors import MemschedError
 from planner.plan import Plan
-from planner.setup import FLAGS, RULES, Run, TrainingSetup, check, lower
+from planner.setup import FLAGS, NEEDS, RULES, Run, TrainingSetup, check, lower
 from planner.setup.rules import _PRESENT
 from planner.simulate import simulate
 from planner.transfer import Transfer
@@ -36,7 +36,12 @@ HAVING = {
     "graph": (TrainingSetup(), Run(graph=True)),
     "options": (TrainingSetup(), Run(options=True)),
     "clipping": (TrainingSetup(), Run(clipping=True)),
+    "target": (TrainingSetup(), Run(target=True)),
+    "autocast": (TrainingSetup(), Run(autocast=True)),
+    "batch_search": (TrainingSetup(), Run(batch_search=True, target=True)),  # (with what it needs)
+    "global_batch": (TrainingSetup(), Run(global_batch=True)),
 }
+NEEDED = {need.feature: need.needed for need in NEEDS}
 
 
 def _both(first: str, second: str) -> tuple:
@@ -51,7 +56,19 @@ def _both(first: str, second: str) -> tuple:
 def test_every_feature_is_spelled_by_both_interfaces_and_has_a_witness():
     assert set(FLAGS["cli"]) == set(FLAGS["fit"]) == set(_PRESENT) == set(HAVING)
     for feature, (setup, run) in HAVING.items():
-        assert [name for name, present in _PRESENT.items() if present(setup, run)] == [feature]
+        present = {name for name, present in _PRESENT.items() if present(setup, run)}
+        assert present == {feature, *([NEEDED[feature]] if feature in NEEDED else [])}
+
+
+@pytest.mark.parametrize("need", NEEDS, ids=lambda need: f"{need.feature}-{need.needed}")
+@pytest.mark.parametrize("interface", ["cli", "fit"])
+def test_a_feature_without_what_it_needs_is_refused_in_one_line_naming_both(need, interface):
+    setup, run = HAVING[need.feature]
+    with pytest.raises(MemschedError) as caught:
+        check(setup, dataclasses.replace(run, **{need.needed: False}), interface)
+    feature, needed = (FLAGS[interface][name] for name in (need.feature, need.needed))
+    assert one_line(caught, f"give {needed}", need.why).startswith(f"{feature} needs {needed}")
+    check(setup, run)  # with it, fine
 
 
 def test_each_combination_is_ruled_once():
@@ -73,8 +90,9 @@ def test_a_rule_refuses_its_pair_in_one_line_naming_both(rule, interface):
 
 def test_pairs_no_rule_names_are_allowed():
     ruled = {frozenset((rule.first, rule.second)) for rule in RULES}
+    with_needs = {feature: {feature, NEEDED.get(feature, feature)} for feature in HAVING}
     for first, second in itertools.combinations(HAVING, 2):
-        if frozenset((first, second)) not in ruled:
+        if not any(frozenset((a, b)) in ruled for a in with_needs[first] for b in with_needs[second]):
             check(*_both(first, second))
 
 

@@ -160,7 +160,8 @@ def test_profile_estimate_for_a_device_spec(tmp_path, capsys):
     pytest.param(["--device-spec", "l4"], ("--device-spec", "give it with --estimate"), id="without-estimate"),
     pytest.param(["--estimate", "--device-spec", "h100"], ("'h100'", "h100-80gb", "memsched.device/1"),
                  id="unknown-name"),
-    pytest.param(["--estimate", "--graph", "--device-spec", "l4"], ("--device-spec", "chain profiles"), id="graph"),
+    pytest.param(["--estimate", "--graph", "--device-spec", "l4"], ("--device-spec does not mix with --graph",
+                                                                    "fake tensors"), id="graph"),
     pytest.param(["--estimate", "--throughput", "1e12", "--device-spec", "l4"], ("not both",), id="throughput"),
 ])
 def test_profile_refuses_a_device_spec_it_cannot_use(tmp_path, capsys, flags, fragments):

@@ -113,12 +113,12 @@ def test_a_micro_batch_size_plans_the_example_resized():
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(batch="auto", budget="60%"), ["fit batch='auto'", "device_spec="]),
+    (dict(batch="auto", budget="60%"), ["batch='auto' needs device_spec=", "give device_spec="]),
     (dict(batch=0), ["fit batch", "positive int", "0"]),
     (dict(batch="big"), ["fit batch", "'big'"]),
     (dict(batch=True), ["fit batch", "True"]),
     (dict(batch=2, global_batch=0), ["fit global_batch", "positive int"]),
-    (dict(batch=2, global_batch=8, accumulate=2), ["global_batch=8", "drop accumulate=2"]),
+    (dict(batch=2, global_batch=8, accumulate=2), ["global_batch= does not mix with accumulate=2"]),
     (dict(batch=3, global_batch=8), ["global_batch=8 is not a multiple of the micro-batch 3"]),
     (dict(batch=2, global_batch=8, returns="output"), ["global_batch=8", "returns='loss'"]),
     (dict(batch="auto", device_spec=DeviceSpec("tiny", 2 << 20, 1e10, 1e10, 1e10, 1e10, 1e10, "cpu")),
