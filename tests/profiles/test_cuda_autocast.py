@@ -110,7 +110,8 @@ def test_the_command_line_plans_a_spec_under_autocast_and_refuses_it_where_it_ca
         (("plan", chain, "--autocast", "bf16"), ["--autocast", "chain profile", "give the SPEC"]),
         (("profile", "gpt-tiny", "--estimate", "--autocast", "bf16", "-o", tmp_path / "c.json"),
          ["--autocast", "whole model", "drop --autocast"]),
-        (("profile", spec, "--graph", "--autocast", "bf16", "-o", tmp_path / "g.json"), ["--autocast does not mix with --graph"]),
+        (("profile", spec, "--graph", "--autocast", "bf16", "-o", tmp_path / "g.json"),
+         ["--autocast does not mix with --graph"]),
         (("plan", spec, "--autocast", "bf8"), ["--autocast", "bf16", "fp16"]),
     ]:
         one_error_line(*run(capsys, *argv), *words)
