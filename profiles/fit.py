@@ -51,6 +51,7 @@ from profiles.fit_ranks import (
     refuse_sharded_eval,
     refuse_wrapped,
 )
+from profiles.fit_saving import forward_as, restore, state_to_save
 from profiles.options import DEFAULT_OPTIONS
 from profiles.precision import planned as planned_precision
 
@@ -239,7 +240,7 @@ class FittedModel(torch.nn.Module):
             with fit_batch.resized_failures(chosen.size, loss_fn):
                 self._current = self._planned(batch_resized(example_inputs, chosen.size))
         # the model's signature: Trainer reads it (the columns it keeps, whether it passes num_items_in_batch)
-        self.forward = types.MethodType(_forward_as(model), self)
+        self.forward = types.MethodType(forward_as(model), self)
 
     def _planned(self, example_inputs, estimated=False) -> _Planned:
         """Discover, profile and solve for inputs laid out as ``example_inputs``; ``estimated``: profiled on fake
@@ -411,6 +412,13 @@ class FittedModel(torch.nn.Module):
         """The stages found (:class:`profiles.discover.Discovery`; ``describe()`` gives lines for people)."""
         return self._current.discovery
 
+    def __getstate__(self):
+        """What ``torch.save(fitted)`` keeps (profiles/fit_saving.py: each plan's run is made again on load)."""
+        return state_to_save(self)
+
+    def __setstate__(self, state):
+        restore(self, state)
+
     def __getattr__(self, name):
         """What the fitted model lacks, the model's (``config``, ``loss_type``: what Trainer reads)."""
         try:
@@ -529,19 +537,6 @@ def held_by_caller(chain, held: int):
     stage = dataclasses.replace(holding(last), out_bytes=loss_bytes, param_bytes=last.param_bytes + held,
                                 options=tuple(holding(option) for option in last.options))
     return dataclasses.replace(chain, stages=chain.stages[:-1] + (stage,))
-
-
-def _forward_as(model):
-    """A ``forward(self, *args, **kwargs)`` calling ``self._forward``, its signature and docstring ``model``'s. Bound
-    to the fitted model as a method, a deep copy binds it to the copy."""
-    def forward(self, *args, **kwargs):
-        return self._forward(*args, **kwargs)
-
-    signature = inspect.signature(model.forward)
-    itself = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    forward.__signature__ = signature.replace(parameters=[itself, *signature.parameters.values()])
-    forward.__doc__ = model.forward.__doc__
-    return forward
 
 
 def _returns(returns, setup: TrainingSetup, graph: bool, global_batch: int = None) -> str:
