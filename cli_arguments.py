@@ -16,7 +16,7 @@ from profiles.options import DEFAULT_OPTIONS  # torch-free
 from solvers import GRAPH_SOLVER_NAMES
 
 MAX_POINTS = 1000  # pareto budgets: each is three solves
-MAX_RUNS = 100_000  # profiling runs per stage, training steps
+MAX_RUNS = validate.MAX_RUNS  # profiling runs per stage, training steps
 MAX_COMPUTATIONS = 100  # moccasin's model grows with it; 2 or 3 is the usual
 
 

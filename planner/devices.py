@@ -56,6 +56,28 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     compute_capability: str = None
 
+    def __post_init__(self):
+        """Each figure checked as a device file's are (:func:`device_from_dict`), in one line naming it."""
+        where = f"DeviceSpec {self.name!r}:"
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise MemschedError(f"DeviceSpec name must be a non-empty string, got {self.name!r}")
+        if self.allocator not in ALLOCATORS:
+            raise MemschedError(f"{where} allocator must be \"cuda\" (PyTorch's caching allocator) or \"cpu\", "
+                                f"got {self.allocator!r}")
+        numbers = {"memory_bytes": self.memory_bytes, "bf16_flops": self.bf16_flops, "fp32_flops": self.fp32_flops,
+                   "memory_bandwidth": self.memory_bandwidth, "d2h_bandwidth": self.d2h_bandwidth,
+                   "h2d_bandwidth": self.h2d_bandwidth, "op_overhead_s": self.op_overhead_s}
+        for key, value in numbers.items():
+            if isinstance(value, (str, bool)) or not isinstance(value, (int, float)):
+                raise MemschedError(f"{where} {key} must be a number, got {value!r}")
+        _memory(self.memory_bytes, f"{where} memory_bytes")
+        for key in ("bf16_flops", "fp32_flops"):
+            _flops(numbers[key], f"{where} {key}")
+        for key in ("memory_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
+            _rate(numbers[key], f"{where} {key}")
+        _overhead(self.op_overhead_s, f"{where} op_overhead_s")
+        _capability(self.compute_capability, self.allocator, f"{where} compute_capability")
+
     def rates(self) -> Rates:
         """The :class:`Rates` an estimate for this device assumes: fp32 peak FLOP/s, its bf16/fp16 peak for
         operations on 16-bit inputs, its memory bandwidth and its cost per operation (a CUDA device's the floor of
@@ -83,47 +105,6 @@ class DeviceSpec:
         return {"format": DEVICE_FORMAT, **{field: getattr(self, field) for field in fields}}
 
 
-# Seconds the host takes to launch one CUDA kernel from PyTorch's eager mode: the low end of the 5-20 us that Meta's
-# Holistic Trace Analysis documentation ("CUDA kernel launch statistics") gives as the usual CPU-side launch time.
-# A kernel shorter than its launch leaves the device waiting: each operation takes at least this long.
-LAUNCH_S = 5e-6
-_LAUNCH = ("; a kernel launch 5 us: the low end of the usual 5-20 us CPU-side launch time (Holistic Trace "
-           "Analysis documentation, CUDA kernel launch statistics)")
-
-
-def _pcie(gigabytes_per_second: float, name: str, memory_gib: int, bf16_tflops: float, fp32_tflops: float,
-          bandwidth_gbps: float, source: str, capability: str) -> DeviceSpec:
-    """A CUDA board on PCIe whose data sheet gives the link's both directions together (``gigabytes_per_second``):
-    half of it each way; ``capability``: its compute capability (NVIDIA's CUDA GPUs table); each operation at
-    least a kernel launch (:data:`LAUNCH_S`)."""
-    each_way = gigabytes_per_second * GIGA / 2
-    return DeviceSpec(name, memory_gib * GIB, bf16_tflops * TERA, fp32_tflops * TERA, bandwidth_gbps * GIGA,
-                      each_way, each_way, "cuda", source + _LAUNCH, LAUNCH_S, compute_capability=capability)
-
-
-_H100 = "NVIDIA H100 Tensor Core GPU data sheet (2023): BF16 1,979 TFLOPS with sparsity"
-_A100 = "NVIDIA A100 Tensor Core GPU data sheet (2021): BF16 624 TFLOPS with sparsity"
-_DEVICES = (
-    _pcie(128, "h100-80gb", 80, 989.5, 67, 3350, f"{_H100} (SXM); FP32 67 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s",
-          "9.0"),
-    _pcie(128, "h100-pcie-80gb", 80, 756.5, 51, 2000,
-          "NVIDIA H100 Tensor Core GPU data sheet (2023), H100 PCIe: BF16 1,513 TFLOPS with sparsity; FP32 51 "
-          "TFLOPS; HBM2e 2 TB/s; PCIe Gen5 128 GB/s", "9.0"),
-    _pcie(128, "h200-141gb", 141, 989.5, 67, 4800,
-          "NVIDIA H200 Tensor Core GPU data sheet (2024), H200 SXM: BF16 1,979 TFLOPS with sparsity; FP32 67 TFLOPS; "
-          "HBM3e 4.8 TB/s; PCIe Gen5 128 GB/s", "9.0"),
-    _pcie(64, "a100-80gb", 80, 312, 19.5, 2039, f"{_A100}; FP32 19.5 TFLOPS; A100 80GB SXM HBM2e 2,039 GB/s; "
-          "PCIe Gen4 64 GB/s", "8.0"),
-    _pcie(64, "a100-40gb", 40, 312, 19.5, 1555, f"{_A100}; FP32 19.5 TFLOPS; A100 40GB HBM2 1,555 GB/s; "
-          "PCIe Gen4 64 GB/s", "8.0"),
-    _pcie(64, "l4", 24, 121, 30.3, 300,
-          "NVIDIA L4 Tensor Core GPU data sheet (2023): BF16 242 TFLOPS with sparsity; FP32 30.3 TFLOPS; GDDR6 "
-          "300 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
-    _pcie(64, "rtx-4090", 24, 165.2, 82.6, 1008,
-          "NVIDIA Ada GPU Architecture whitepaper (v2.02), GeForce RTX 4090: BF16 with FP32 accumulate 165.2 TFLOPS "
-          "dense (twice that with sparsity); FP32 82.6 TFLOPS; GDDR6X 1,008 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
-)
-DEVICES = {spec.name: spec for spec in _DEVICES}
 
 
 def device_spec(name_or_path, where: str = "--device-spec") -> DeviceSpec:
@@ -131,9 +112,14 @@ def device_spec(name_or_path, where: str = "--device-spec") -> DeviceSpec:
     text = str(name_or_path)
     if text.lower() in DEVICES:
         return DEVICES[text.lower()]
-    if Path(text).is_file():
+    try:
+        is_file = Path(text).is_file()
+    except (OSError, ValueError):  # a name longer than a path can be, or with a NUL: no such file
+        is_file = False
+    if is_file:
         return load_device_spec(text)
-    raise MemschedError(f"{where} {text!r}: no such device and no such file; known devices are "
+    raise MemschedError(f"{where} {text[:80]!r}{'...' if len(text) > 80 else ''}: no such device and no such file; "
+                        "known devices are "
                         f"{', '.join(DEVICES)}, or give a {DEVICE_FORMAT} JSON file (docs/formats.md, "
                         "\"Device specs\")")
 
@@ -218,3 +204,46 @@ def _capability(value, allocator: str, where: str):
         raise MemschedError(f"{where} must be a string \"MAJOR.MINOR\" as nvidia-smi --query-gpu=compute_cap "
                             f"prints it (\"9.0\" for an H100, \"8.0\" for an A100), got {value!r}")
     return value
+
+
+# Seconds the host takes to launch one CUDA kernel from PyTorch's eager mode: the low end of the 5-20 us that Meta's
+# Holistic Trace Analysis documentation ("CUDA kernel launch statistics") gives as the usual CPU-side launch time.
+# A kernel shorter than its launch leaves the device waiting: each operation takes at least this long.
+LAUNCH_S = 5e-6
+_LAUNCH = ("; a kernel launch 5 us: the low end of the usual 5-20 us CPU-side launch time (Holistic Trace "
+           "Analysis documentation, CUDA kernel launch statistics)")
+
+
+def _pcie(gigabytes_per_second: float, name: str, memory_gib: int, bf16_tflops: float, fp32_tflops: float,
+          bandwidth_gbps: float, source: str, capability: str) -> DeviceSpec:
+    """A CUDA board on PCIe whose data sheet gives the link's both directions together (``gigabytes_per_second``):
+    half of it each way; ``capability``: its compute capability (NVIDIA's CUDA GPUs table); each operation at
+    least a kernel launch (:data:`LAUNCH_S`)."""
+    each_way = gigabytes_per_second * GIGA / 2
+    return DeviceSpec(name, memory_gib * GIB, bf16_tflops * TERA, fp32_tflops * TERA, bandwidth_gbps * GIGA,
+                      each_way, each_way, "cuda", source + _LAUNCH, LAUNCH_S, compute_capability=capability)
+
+
+_H100 = "NVIDIA H100 Tensor Core GPU data sheet (2023): BF16 1,979 TFLOPS with sparsity"
+_A100 = "NVIDIA A100 Tensor Core GPU data sheet (2021): BF16 624 TFLOPS with sparsity"
+_DEVICES = (
+    _pcie(128, "h100-80gb", 80, 989.5, 67, 3350, f"{_H100} (SXM); FP32 67 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s",
+          "9.0"),
+    _pcie(128, "h100-pcie-80gb", 80, 756.5, 51, 2000,
+          "NVIDIA H100 Tensor Core GPU data sheet (2023), H100 PCIe: BF16 1,513 TFLOPS with sparsity; FP32 51 "
+          "TFLOPS; HBM2e 2 TB/s; PCIe Gen5 128 GB/s", "9.0"),
+    _pcie(128, "h200-141gb", 141, 989.5, 67, 4800,
+          "NVIDIA H200 Tensor Core GPU data sheet (2024), H200 SXM: BF16 1,979 TFLOPS with sparsity; FP32 67 TFLOPS; "
+          "HBM3e 4.8 TB/s; PCIe Gen5 128 GB/s", "9.0"),
+    _pcie(64, "a100-80gb", 80, 312, 19.5, 2039, f"{_A100}; FP32 19.5 TFLOPS; A100 80GB SXM HBM2e 2,039 GB/s; "
+          "PCIe Gen4 64 GB/s", "8.0"),
+    _pcie(64, "a100-40gb", 40, 312, 19.5, 1555, f"{_A100}; FP32 19.5 TFLOPS; A100 40GB HBM2 1,555 GB/s; "
+          "PCIe Gen4 64 GB/s", "8.0"),
+    _pcie(64, "l4", 24, 121, 30.3, 300,
+          "NVIDIA L4 Tensor Core GPU data sheet (2023): BF16 242 TFLOPS with sparsity; FP32 30.3 TFLOPS; GDDR6 "
+          "300 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
+    _pcie(64, "rtx-4090", 24, 165.2, 82.6, 1008,
+          "NVIDIA Ada GPU Architecture whitepaper (v2.02), GeForce RTX 4090: BF16 with FP32 accumulate 165.2 TFLOPS "
+          "dense (twice that with sparsity); FP32 82.6 TFLOPS; GDDR6X 1,008 GB/s; PCIe Gen4 x16 64 GB/s", "8.9"),
+)
+DEVICES = {spec.name: spec for spec in _DEVICES}

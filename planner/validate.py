@@ -17,6 +17,7 @@ MAX_SECONDS = 365 * 24 * 3600.0  # one year: any one duration, a time limit
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, float(2**60)  # bytes per second of a channel that exists
 MIN_THROUGHPUT, MAX_THROUGHPUT = 1e3, 1e21  # FLOP/s that an estimate may assume
 MAX_INDEX = 2**20  # stages of a chain, nodes of a graph (their indices in a schedule are below it)
+MAX_RUNS = 100_000  # profiling runs per stage, stage options, training steps: beyond it a call would not finish
 
 
 def require(obj: dict, key: str, where: str):

@@ -19,6 +19,7 @@ import types
 import torch
 from torch.utils._pytree import tree_flatten
 
+import planner.validate as validate
 import solvers
 from planner.accumulate import check_accumulate
 from planner.devices import DeviceSpec
@@ -148,6 +149,10 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
             (without ``replan``), another autocast state, or some modules switched between training and eval mode
             since; moving or casting the fitted model (``.cuda()``, ``.half()``) is refused.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise MemschedError(f"fit model: a torch.nn.Module to train, not {type(model).__name__}")
+    for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1), ("stage_options", stage_options, 0)):
+        validate.count(value, f"fit {name}", least, validate.MAX_RUNS)
     quiet = not progress or ranks()[0] != 0  # in a job of several ranks, rank 0 alone plans and tells
     say = progress if callable(progress) and not quiet else say_on_stderr if not quiet else (lambda line: None)
     options = dict(options)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from planner.errors import MemschedError
 from planner.render_memory import device_plan_lines
 from planner.setup import TrainingSetup
-from profiles.device_plan import Candidate, best, judged, tried_batches
+from profiles.device_plan import MAX_BATCH, Candidate, best, judged, tried_batches
 from profiles.discover import ExampleFailed
 
 
@@ -33,11 +33,11 @@ class Batching(NamedTuple):
 
 def checked(batch, global_batch) -> None:
     """:func:`fit`'s ``batch`` and ``global_batch`` refused in one line when they cannot be: ``batch`` not None,
-    ``"auto"`` or a positive int, a ``global_batch`` not a positive int (what they do not mix with, or need:
-    planner/setup/rules.py)."""
-    if not (batch is None or batch == "auto" or _positive(batch)):
-        raise MemschedError(f"fit batch: 'auto' (the fastest on device_spec), a micro-batch size (a positive int) or "
-                            f"None (the example's), not {batch!r}")
+    ``"auto"`` or a micro-batch of 1 to :data:`profiles.device_plan.MAX_BATCH` samples (the most ``auto`` tries), a
+    ``global_batch`` not a positive int (what they do not mix with, or need: planner/setup/rules.py)."""
+    if not (batch is None or batch == "auto" or _positive(batch) and batch <= MAX_BATCH):
+        raise MemschedError(f"fit batch: 'auto' (the fastest on device_spec), a micro-batch size (an int from 1 to "
+                            f"{MAX_BATCH}) or None (the example's), not {str(batch)[:40]}")
     if global_batch is not None and not _positive(global_batch):
         raise MemschedError(f"fit global_batch: samples per optimizer step, a positive int, not {global_batch!r}")
 
@@ -69,13 +69,19 @@ def batching(example_batch: int, batch, global_batch, setup: TrainingSetup, esti
 def resized_failures(size: int, loss_fn):
     """The model failing on the example made ``size`` rows long (:class:`profiles.discover.ExampleFailed`) said
     so; with a ``loss_fn`` of the user's, that one closing over targets of the example's batch cannot take
-    another."""
+    another; the example made that long not fitting this machine's memory, said in one line."""
     try:
         yield
     except ExampleFailed as exc:
         hint = ("; a loss_fn closing over targets of the example's batch cannot take another: pass the targets "
                 "among the inputs") if loss_fn is not None else ""
         raise MemschedError(f"{exc} (fit batch: the example's batched tensors given {size} rows{hint})") from None
+    except RuntimeError as exc:  # the allocator, when the example made that long does not fit this machine
+        if "allocate" not in str(exc) and "out of memory" not in str(exc):
+            raise
+        raise MemschedError(f"fit batch={size}: the example's batched tensors given {size} rows do not fit this "
+                            "machine's memory; give a smaller batch, or device_spec= to estimate it on fake "
+                            "tensors") from None
 
 
 def _accumulated(global_batch, size: int, setup: TrainingSetup) -> int:

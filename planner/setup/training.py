@@ -30,6 +30,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam8bit")
 # no master copy (torchtune's full fine-tune on one device: the model built in bf16, a torch optimizer over it)
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 ZERO_STAGES = (0, 1, 2, 3)
+MAX_RANKS = 1 << 18  # data-parallel ranks: beyond the largest jobs run (each rank's shard is sized, ~5 s at this)
 ITEMS = ("params", "grads", "master", "optimizer")
 
 # Optimizer state tensors per parameter. A torch optimizer's states have the dtype of what it updates: the fp32
@@ -74,8 +75,9 @@ class TrainingSetup:
                                 "(bf16, fp16: mixed precision with an fp32 master copy; pure-bf16: none)")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
             raise MemschedError(f"zero: the ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
-        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
-            raise MemschedError(f"dp: the number of data-parallel ranks must be a whole number >= 1, got {self.dp!r}")
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or not 1 <= self.dp <= MAX_RANKS:
+            raise MemschedError(f"dp: the number of data-parallel ranks must be a whole number from 1 to {MAX_RANKS}, "
+                                f"got {str(self.dp)[:40]}")
         check_update(self.update)
         if self.precision == "pure-bf16" and self.update == "on-host":
             raise MemschedError("precision 'pure-bf16' does not mix with update 'on-host': the update on the host runs "

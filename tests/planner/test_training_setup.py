@@ -122,7 +122,8 @@ def test_fractional_bytes_round_up_per_item():
     ({"zero": 4}, ["zero", "0, 1, 2 or 3", "4"]),
     ({"zero": -1}, ["zero", "-1"]),
     ({"zero": 1.0}, ["zero", "1.0"]),
-    ({"dp": 0}, ["dp", ">= 1", "0"]),
+    ({"dp": 0}, ["dp", "from 1 to 262144", "0"]),
+    ({"dp": 10**9}, ["dp", "from 1 to 262144", "1000000000"]),
     ({"update": "later"}, ["update", "'later'", "after, in-backward, on-host"]),
 ])
 def test_invalid_setups_are_refused_in_one_line(fields, words):
