@@ -37,7 +37,7 @@ def checked(batch, global_batch) -> None:
     ``global_batch`` not a positive int (what they do not mix with, or need: planner/setup/rules.py)."""
     if not (batch is None or batch == "auto" or _positive(batch) and batch <= MAX_BATCH):
         raise MemschedError(f"fit batch: 'auto' (the fastest on device_spec), a micro-batch size (an int from 1 to "
-                            f"{MAX_BATCH}) or None (the example's), not {str(batch)[:40]}")
+                            f"{MAX_BATCH}) or None (the example's), not {repr(batch)[:40]}")
     if global_batch is not None and not _positive(global_batch):
         raise MemschedError(f"fit global_batch: samples per optimizer step, a positive int, not {global_batch!r}")
 

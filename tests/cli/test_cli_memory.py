@@ -100,7 +100,7 @@ def test_solve_budget_auto_solves_within_what_the_device_leaves(capsys, tmp_path
     (["--budget", "auto", "--device-memory", "1GiB", "--optimizer", "lamb"], ["optimizer", "adam8bit"]),
     (["--budget", "auto", "--device-memory", "1GiB", "--precision", "int8"], ["precision", "bf16"]),
     (["--budget", "auto", "--device-memory", "1GiB", "--zero", "4"], ["zero", "0, 1, 2 or 3"]),
-    (["--budget", "auto", "--device-memory", "1GiB", "--dp", "0"], ["dp", ">= 1"]),
+    (["--budget", "auto", "--device-memory", "1GiB", "--dp", "0"], ["dp", "from 1 to 262144"]),
     (["--budget", "auto", "--device-memory", "lots"], ["--device-memory", "'lots'"]),
     (["--budget", "auto", "--device-memory", "200MiB"], ["no memory left", "225557772", "209715200"]),
     (["--budget", "auto", "--device-memory", "300MiB"], ["--budget auto leaves", "minimum feasible 211937666"]),

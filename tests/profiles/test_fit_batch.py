@@ -114,7 +114,7 @@ def test_a_micro_batch_size_plans_the_example_resized():
 
 @pytest.mark.parametrize("options, words", [
     (dict(batch="auto", budget="60%"), ["batch='auto' needs device_spec=", "give device_spec="]),
-    (dict(batch=0), ["fit batch", "positive int", "0"]),
+    (dict(batch=0), ["fit batch", "an int from 1 to 65536", "0"]),
     (dict(batch="big"), ["fit batch", "'big'"]),
     (dict(batch=True), ["fit batch", "True"]),
     (dict(batch=2, global_batch=0), ["fit global_batch", "positive int"]),
