@@ -468,6 +468,14 @@ class FittedModel(torch.nn.Module):
             refuse_sharded_eval(self._current.plan)
             output = self.model(*args, **kwargs)
             return output if self.returns == "output" else (self._settings["loss_fn"] or model_loss)(output)
+        return self._planned_step(args, kwargs)
+
+    @torch.compiler.disable
+    def _planned_step(self, args, kwargs):
+        """The call under the plan. ``torch.compile(fitted)`` runs it eagerly (the eval call is compiled): the
+        executor is a loop over the plan's schedule, each operation a Python call Dynamo would guard on and compile
+        again (8 recompilations and the limit's warnings in four GPT-2 steps); ``fit(compile=True)`` compiles the
+        stages themselves."""
         self.precision.check_call(type(self.model).__name__)
         refuse_resharded(self, self._current.plan)
         planned = self._plan_for(args, kwargs)
