@@ -16,6 +16,7 @@ parameters and buffers left out (as a chain's budget leaves them out). A graph p
 """
 
 import dataclasses
+import re
 
 import torch
 
@@ -57,11 +58,22 @@ def fit_graph(staged, budget, solver: str, options: dict, *, warmup: int, repeat
     wanted = parse_budget(str(budget), step_peak, what="fit budget")
     try:
         plan = solvers.solve_graph(graph, wanted + resident, solver, time_limit=time_limit, **options)
-    except MemschedError as exc:  # its bytes are the graph's: say so
+    except MemschedError as exc:  # its bytes are the graph's: say so, in fit's keywords
         raise MemschedError(f"{staged.name} on the joint graph (whose bytes count the parameters and buffers, "
-                            f"{format_bytes(resident)}, which fit's budget leaves out): {exc}") from None
+                            f"{format_bytes(resident)}, which fit's budget leaves out): {as_keywords(exc)}") from None
     predicted = dataclasses.replace(plan.predicted, peak_bytes=plan.predicted.peak_bytes - resident)
     return graph, plan, GraphStep(GraphExecutor(staged, plan, graph)), predicted
+
+
+def as_keywords(message) -> str:
+    """A graph solver's ``message``, which names the command line's flags (``--time-limit 40``, ``--solver
+    moccasin``), as ``fit``'s caller gives them: ``time_limit=40``, ``solver='moccasin'``."""
+    def keyword(match):
+        name, value = match.group(1).replace("-", "_"), match.group(2)
+        return f"{name}={value}" if value.replace(".", "", 1).isdigit() else f"{name}={value!r}"
+
+    text = re.sub(r"--([a-z][a-z-]*) ([A-Za-z0-9_.]+)", keyword, str(message))
+    return re.sub(r"\(--([a-z][a-z-]*)\)", lambda match: f"({match.group(1).replace('-', '_')}=)", text)
 
 
 class GraphStep(torch.nn.Module):

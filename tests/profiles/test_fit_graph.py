@@ -179,3 +179,17 @@ def test_graph_fit_refuses_what_it_cannot_do_in_one_line():
     message = raises_one_line(fit, model, x, 1024, graph=True, **QUICK)  # below what any schedule of the graph needs
     assert "Summed on the joint graph (whose bytes count the parameters and buffers" in message
     assert "the least memory any schedule" in message
+
+
+def test_a_graph_solvers_advice_reaches_fits_caller_in_fits_keywords():
+    """The graph solvers name the command line's flags; fit's refusals name its keywords (issue 40, item 5: a Python
+    caller was told ``--time-limit`` and ``--max-computations``)."""
+    from profiles.fit_graph import as_keywords
+
+    said = ("moccasin: no schedule with at most 2 computations per node fits 1.0 KiB; more computations per node may "
+            "fit: --max-computations 3 or --first-order free, or raise the budget; give --time-limit 40 or more; "
+            "give it more time (--time-limit); moccasin (any order) may: --solver moccasin")
+    assert as_keywords(said) == (
+        "moccasin: no schedule with at most 2 computations per node fits 1.0 KiB; more computations per node may "
+        "fit: max_computations=3 or first_order='free', or raise the budget; give time_limit=40 or more; "
+        "give it more time (time_limit=); moccasin (any order) may: solver='moccasin'")
