@@ -51,6 +51,10 @@ from profiles.roofline import roofline
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
+# Seconds of one step (a stage's forward and backward, or the loss) from which it is timed once after its warm-up,
+# and an option's extra seconds in LONG_STEP_PAIRS pairs: its noise is a small part of it (GPT-2 small's lm_head,
+# ~120 GFLOP a step, took 18 s at one thread timed 3 times)
+LONG_STEP_S, LONG_STEP_PAIRS = 0.25, 3
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
@@ -401,23 +405,30 @@ class _Runner:
         return fwd, bwd
 
     def _stage_times(self, call, activation, needs_grad, module):
+        """The median forward and backward seconds of ``repeats`` timed steps after ``warmup`` ones; one when it
+        takes :data:`LONG_STEP_S` or more."""
         forward, backward = [], []
         for run in range(self.warmup + self.repeats):
             fwd, bwd = self._timed_step(call, activation, needs_grad, module)
             if run >= self.warmup:
                 forward.append(fwd)
                 backward.append(bwd)
+                if fwd + bwd >= LONG_STEP_S:
+                    break
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
 
     def _extra_step(self, plain, option, activation, needs_grad, module) -> float:
         """The median seconds a forward and backward with ``option`` take beyond ``plain`` ones, the two timed in
         turn, ``2 * repeats + 1`` times (their difference is a few percent of either, the noise of this
-        machine as much); at least 0."""
+        machine as much; :data:`LONG_STEP_PAIRS` times for a plain step of :data:`LONG_STEP_S` or more); at least
+        0."""
         differences = []
         for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
             times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, option)]
             if run >= self.warmup:
                 differences.append(times[1] - times[0])
+                if times[0] >= LONG_STEP_S and len(differences) >= LONG_STEP_PAIRS:
+                    break
         return max(0.0, statistics.median(differences))
 
     def _backward_call_cost(self) -> float:
@@ -435,7 +446,15 @@ class _Runner:
         return self._call_cost
 
     def _median(self, measure):
-        samples = [measure() for _ in range(self.warmup + self.repeats)][self.warmup:]
+        """The median of ``measure()`` over ``repeats`` runs after ``warmup`` ones; one of :data:`LONG_STEP_S`
+        seconds or more is kept alone."""
+        samples = []
+        for run in range(self.warmup + self.repeats):
+            sample = measure()
+            if run >= self.warmup:
+                samples.append(sample)
+                if sample >= LONG_STEP_S:
+                    break
         return statistics.median(samples)
 
     def _flops_or_time(self, work) -> float:
