@@ -407,14 +407,7 @@ class _Runner:
     def _stage_times(self, call, activation, needs_grad, module):
         """The median forward and backward seconds of ``repeats`` timed steps after ``warmup`` ones; one when it
         takes :data:`LONG_STEP_S` or more."""
-        forward, backward = [], []
-        for run in range(self.warmup + self.repeats):
-            fwd, bwd = self._timed_step(call, activation, needs_grad, module)
-            if run >= self.warmup:
-                forward.append(fwd)
-                backward.append(bwd)
-                if fwd + bwd >= LONG_STEP_S:
-                    break
+        forward, backward = zip(*self._samples(lambda: self._timed_step(call, activation, needs_grad, module), sum))
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
 
     def _extra_step(self, plain, option, activation, needs_grad, module) -> float:
@@ -446,16 +439,20 @@ class _Runner:
         return self._call_cost
 
     def _median(self, measure):
-        """The median of ``measure()`` over ``repeats`` runs after ``warmup`` ones; one of :data:`LONG_STEP_S`
-        seconds or more is kept alone."""
+        """The median of :meth:`_samples` of ``measure()`` (seconds)."""
+        return statistics.median(self._samples(measure))
+
+    def _samples(self, measure, seconds=lambda sample: sample) -> list:
+        """``measure()``'s samples of ``repeats`` runs after ``warmup`` ones, or of one when its ``seconds`` are
+        :data:`LONG_STEP_S` or more."""
         samples = []
         for run in range(self.warmup + self.repeats):
             sample = measure()
             if run >= self.warmup:
                 samples.append(sample)
-                if sample >= LONG_STEP_S:
+                if seconds(sample) >= LONG_STEP_S:
                     break
-        return statistics.median(samples)
+        return samples
 
     def _flops_or_time(self, work) -> float:
         """Seconds of ``work()``: its roofline at the rates when estimating, CUDA events on a GPU, else a wall

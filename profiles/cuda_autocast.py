@@ -110,6 +110,8 @@ def _cast_to(dtype):
 def _policy_kernel(policy: str, op):
     """The ``AutocastCPU`` kernel of ``op`` under CUDA's ``policy``."""
     dtype_at = next((k for k, argument in enumerate(op._schema.arguments) if argument.name == "dtype"), None)
+    appended = op_of(_APPENDED[f"{op._schema.name[len('aten::'):]}.{op._overloadname}"]) if policy == APPEND_DTYPE \
+        else None
 
     def kernel(*args, **kwargs):
         if policy == LOWER:
@@ -127,7 +129,6 @@ def _policy_kernel(policy: str, op):
             elif kwargs.get("dtype") is None:
                 kwargs = dict(kwargs, dtype=torch.float32)
         elif policy == APPEND_DTYPE and args and _eligible(args[0]):
-            appended = op_of(_APPENDED[op._schema.name[len("aten::"):] + "." + op._overloadname])
             return _without_autocast(appended, (*args, torch.float32), kwargs)
         return _without_autocast(op, args, kwargs)
 

@@ -251,31 +251,28 @@ class FittedModel(torch.nn.Module):
         """Discover, profile and solve for inputs laid out as ``example_inputs``; ``estimated``: profiled on fake
         tensors (a replanning call, inside the user's step: see :meth:`_solved`)."""
         s, say, started = self._settings, self._say, time.perf_counter()
-        name = type(self.model).__name__
+        name, target, adopters = type(self.model).__name__, s["device_spec"], []
         say(f"fit: discovering {name}'s stages...")
-        if s["device_spec"] is not None:  # found and profiled on fake copies: nothing runs at the batch's size
-            adopters = []
-            with faked_in_place([self.model], example_inputs, adopters) as fakes:
-                with self.precision.capturing():
-                    discovery = self._discover(fakes)
-                adopters.extend([discovery.prelude, *(module for _, module in discovery.staged.stages)])
-                say(f"{name}: {len(discovery.staged.stages)} stages discovered in {seconds_since(started)}; "
-                    "estimating them...")
-                chain, plan = one_plan(lambda: self._solved(discovery, started, s["options"]))
-            return self._run_by(discovery, chain, plan)  # (its stages on the model's own tensors again)
-        with self.precision.capturing():
-            discovery = self._discover(example_inputs)
-        staged = discovery.staged
-        say(f"{name}: {len(staged.stages)} stages discovered in {seconds_since(started)}; profiling them...")
-        if s["graph"]:
-            with self.precision.profiling():
-                graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
-                                                        warmup=s["warmup"], repeats=s["repeats"])
-            planned = _Planned(discovery, graph, plan, run, _modes(self.model), predicted)
-            discovery.staged = dataclasses.replace(staged, example_inputs=None)
-            self._plans.append(planned)
-            return planned
-        return self._run_by(discovery, *one_plan(lambda: self._solved(discovery, started, s["options"], estimated)))
+        # for a device, found and profiled on fake copies of the model's tensors (nothing runs at the batch's size),
+        # the stages handed the model's own tensors back afterwards
+        with (faked_in_place([self.model], example_inputs, adopters) if target is not None else
+              contextlib.nullcontext(example_inputs)) as inputs:
+            with self.precision.capturing():
+                discovery = self._discover(inputs)
+            adopters.extend([discovery.prelude, *(module for _, module in discovery.staged.stages)])
+            staged = discovery.staged
+            say(f"{name}: {len(staged.stages)} stages discovered in {seconds_since(started)}; "
+                f"{'profiling' if target is None else 'estimating'} them...")
+            if s["graph"]:  # (never for a device: planner/setup/rules.py)
+                with self.precision.profiling():
+                    graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
+                                                            warmup=s["warmup"], repeats=s["repeats"])
+                planned = _Planned(discovery, graph, plan, run, _modes(self.model), predicted)
+                discovery.staged = dataclasses.replace(staged, example_inputs=None)
+                self._plans.append(planned)
+                return planned
+            chain, plan = one_plan(lambda: self._solved(discovery, started, s["options"], estimated))
+        return self._run_by(discovery, chain, plan)
 
     def _run_by(self, discovery, chain, plan) -> _Planned:
         """The module that runs ``discovery``'s stages by ``plan``, kept as the plan of its layout."""

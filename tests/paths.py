@@ -9,9 +9,14 @@ FIXTURES = TESTS / "fixtures"
 EXAMPLE = ROOT / "examples" / "example-L24.chain.json"
 
 
-def load_fixture(name: str):
-    """The module tests/fixtures/NAME.py."""
-    loaded = importlib.util.spec_from_file_location(f"fixture_{name}", FIXTURES / f"{name}.py")
+def load_module(path: Path, name: str):
+    """The Python file ``path`` loaded as a module named ``name`` (a fixture, a bench script: no package)."""
+    loaded = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
     return module
+
+
+def load_fixture(name: str):
+    """The module tests/fixtures/NAME.py."""
+    return load_module(FIXTURES / f"{name}.py", f"fixture_{name}")

@@ -3,15 +3,11 @@ transformer layer, with and without dropout, math and fused attention, estimated
 each LayerNorm's fp32 statistics, which the paper leaves out, are added). ZeRO's Figure 1:
 tests/planner/test_training_setup.py."""
 
-import importlib.util
-
 import pytest
 
-from paths import ROOT
+from paths import ROOT, load_module
 
-_spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
-published = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(published)
+published = load_module(ROOT / "bench" / "published.py", "published")
 
 H, A, S, B = 512, 8, 1024, 4  # every tensor a whole number of the allocator's 2 MiB blocks
 
