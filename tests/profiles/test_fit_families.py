@@ -62,8 +62,7 @@ MID, LOW = "75%", "50%"
 # process's import of torch and transformers is paid once a group, not once per family); the bf16 decoders at the
 # default thread count and at one.
 GROUPS = {
-    "encoder-decoders": [("bart", MID, "auto"), ("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", MID, "auto"),
-                         ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
+    "encoder-decoders": [("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
     "experts and adapters": [("mixtral", "90%", "auto"), ("lora", LOW, "auto"), ("lora", "90%", "auto")],
     "built in bf16": [("llama-bf16", "90%", "auto"), ("llama-bf16", "60%", "auto"), ("qwen2-bf16", MID, "auto")],
 }
