@@ -13,7 +13,9 @@ import dataclasses
 import numba
 import numpy as np
 
+import solvers.rotor_numpy as rotor_numpy
 from planner.chain import Chain, StageOption
+from solvers.kernels import compile_for, use_numpy
 from solvers.limits import Deadline, fill_by_spans
 from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
@@ -60,18 +62,28 @@ def _least_memory_spans(x, nograd_tmp, param_prefix, xbar, xown, fwd_tmp, bwd_tm
 
 def _least_memory_table(a, deadline: Deadline = None):
     """``(need, choice)`` over sub-chains ``i..e`` of the arrays ``a``, filled chunk by chunk (interruptible;
-    :class:`TimeLimitReached` once ``deadline`` passes)."""
+    :class:`TimeLimitReached` once ``deadline`` passes); a small table in numpy while the kernels are not compiled
+    (solvers/kernels.py), the same values."""
     length = len(a.params) - 1
     need = np.zeros((length + 1, length + 1), dtype=np.int64)
     choice = np.full((length + 1, length + 1), CHAIN, dtype=np.int64)
 
+    def work(span):
+        return (length + 1 - span) * (span + len(a.ways_xbar))  # sub-chains x (leaves + ways)
+
+    if use_numpy(_least_memory_spans, sum(work(span) for span in range(1, length + 1)), rotor_numpy.MINIMUM_WORK):
+        rotor_numpy.least_memory_diagonal(a, need, choice)
+        fill_by_spans(length, work, lambda first, last: rotor_numpy.least_memory_spans(a, need, choice, first, last),
+                      deadline, "computing the least memory")
+        return need, choice
     ways = a.ways[:4]  # xbar, xown, fwd_tmp, bwd_tmp per way
 
-    def compile_kernels():  # the diagonal, and an empty range of spans
+    def compile_kernels():  # then the diagonal
+        compile_for(_least_memory_diagonal, a.x, *ways, need, choice)
+        compile_for(_least_memory_spans, a.x, a.nograd_tmp, a.param_prefix, *ways, need, choice, 1, 1)
         _least_memory_diagonal(a.x, *ways, need, choice)
-        _least_memory_spans(a.x, a.nograd_tmp, a.param_prefix, *ways, need, choice, 1, 1)
 
-    fill_by_spans(length, lambda span: (length + 1 - span) * span * len(a.ways_xbar),
+    fill_by_spans(length, work,
                   lambda first, last: _least_memory_spans(a.x, a.nograd_tmp, a.param_prefix, *ways, need, choice,
                                                           first, last),
                   deadline, "computing the least memory", warm_up=compile_kernels)

@@ -23,6 +23,7 @@ from planner.simulate.chain import ChainSimulator
 from planner.transfer import Transfer
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
+from solvers.kernels import compile_for
 from solvers.limits import Deadline, TimeLimitReached, enough_time, fill_by_spans
 from solvers.minimum import minimum_budget
 from solvers.offload import channel_of, offload_within
@@ -157,11 +158,13 @@ class PofoTables:
         self.choice = np.full((2, size, size, top + 1), NONE, dtype=np.int32)
         a = arrays
 
-        def compile_kernels():  # the diagonal, and an empty range of spans (compiled or loaded on first use)
-            _fill_diagonal(a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time, a.bwd_time,
-                           self.time, self.choice)
-            _fill_spans(a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time,
-                        a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, 1, 1)
+        def compile_kernels():  # compiled or loaded on first use (solvers/kernels.py), then the diagonal
+            diagonal = (a.x, a.xbar, a.xown, a.fwd_tmp, a.bwd_tmp, a.param_prefix, a.fwd_time, a.bwd_time,
+                        self.time, self.choice)
+            compile_for(_fill_diagonal, *diagonal)
+            compile_for(_fill_spans, a.x, a.xbar, a.xown, a.fwd_tmp, a.nograd_tmp, a.bwd_tmp, a.param_prefix,
+                        a.fwd_time, a.bwd_time, self.item_units, self.d2h, self.h2d, self.time, self.choice, 1, 1)
+            _fill_diagonal(*diagonal)
 
         def work(span):  # inner steps of one span: two tables, its sub-chains, their leaves, the memory states
             return 2 * (length + 1 - span) * span * (top + 1)

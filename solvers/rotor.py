@@ -13,17 +13,19 @@ refused in one line. docs/solvers.md gives the recurrence, the discretisation an
 import numba
 import numpy as np
 
+import solvers.rotor_numpy as rotor_numpy
 from planner.chain import Chain, Stage
 from planner.errors import MemschedError
 from planner.ops import Op
 from planner.simulate.chain import ChainSimulator
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
+from solvers.kernels import compile_for, use_numpy
 from solvers.limits import fill_by_spans
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.revolve import revolve_schedule
-from solvers.rotor_model import NONE, RotorArrays, build_schedule, rotor_arrays
+from solvers.rotor_model import RotorArrays, build_schedule, rotor_arrays
 from solvers.sqrt import fastest_segments, segment_bounds
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
@@ -78,7 +80,9 @@ def _fill_spans(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_
     for span in range(first, last):
         for i in numba.prange(length + 1 - span):
             end = i + span
-            best = np.full(top + 1, np.inf)
+            best = opt[i, end]  # relaxed in place: no choice reads the cell it fills
+            for m in range(top + 1):  # element by element: a slice assignment compiles numba's shape error (3-4 s)
+                best[m] = np.inf
             advance, forwards = 0.0, 0
             for j in range(i + 1, end + 1):  # leaf j: advance to a_j, solve j..e, then i..j-1
                 advance += fwd_time[j - 1]
@@ -92,7 +96,6 @@ def _fill_spans(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_
                 if low <= top:
                     _relax(best, low, top + 1, way_fwd_time[k, i] + bwd_time[k, i], opt[i + 1, end], xbar[k, i + 1],
                            zeros, 0)
-            opt[i, end, :] = best
 
 
 @numba.njit(cache=True)
@@ -120,54 +123,33 @@ def final_state_fits(arrays: RotorArrays, top: int) -> bool:
 
 
 def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
-    """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``."""
+    """``opt`` of shape (L+1, L+1, top+1): least seconds for every sub-chain ``i <= e`` and memory ``m``; a
+    small table in numpy while the kernels are not compiled (solvers/kernels.py), the same values."""
     a, length = arrays, arrays.length
     opt = np.empty((length + 1, length + 1, top + 1))
+
+    def work(span):
+        return (length + 1 - span) * (span + len(a.ways_xbar)) * (top + 1)  # sub-chains x (leaves + ways) x levels
+
+    if use_numpy(_fill_spans, sum(work(span) for span in range(1, length + 1)), rotor_numpy.ROTOR_WORK):
+        rotor_numpy.fill_diagonal(a, opt)
+        fill_by_spans(length, work, lambda first, last: rotor_numpy.fill_spans(a, opt, first, last))
+        return opt
+    compile_for(_fill_diagonal, a.x, *a.ways, opt)
+    compile_for(_fill_spans, a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, 1, 1)
     _fill_diagonal(a.x, *a.ways, opt)
     # In chunks of a few milliseconds: a Ctrl-C is raised between two of them, never inside numba (solvers/limits.py).
-    fill_by_spans(length, lambda span: (length + 1 - span) * span * (top + 1) * len(a.ways_xbar),
-                  lambda first, last: _fill_spans(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt,
-                                                  first, last))
+    fill_by_spans(length, work, lambda first, last: _fill_spans(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time,
+                                                                *a.ways, opt, first, last))
     return opt
 
 
 def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) -> int:
-    """The choice behind ``opt[i, e, m]`` (CHAIN or -k for way k, or a leaf j), recomputed with the kernel's
-    arithmetic (for ``i == e``, the way of the single stage).
-
-    Only the O(L) sub-chains on the optimal path are asked, so the table need
-    not store choices. Ties go to a leaf, to the first j among leaves, and to the first way.
-    """
-    a = arrays
-    return _best_choice(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, i, end, m)
-
-
-@numba.njit(cache=True)
-def _best_choice(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_tmp, way_fwd_time, bwd_time, opt,
-                 i, end, m):
-    best, choice = np.inf, NONE
-    if i == end:
-        for k in range(xbar.shape[0]):
-            low = max(x[i + 1] + xbar[k, i + 1] + fwd_tmp[k, i], x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i])
-            cost = way_fwd_time[k, i] + bwd_time[k, i]
-            if m >= low and cost < best:
-                best, choice = cost, -k
-        return choice
-    advance, forwards = 0.0, 0
-    for j in range(i + 1, end + 1):
-        advance += fwd_time[j - 1]
-        forwards = _advance_need(x, nograd_tmp, i, j, end, forwards)
-        later_params = param_prefix[end + 1] - param_prefix[j]
-        if m >= max(forwards, x[j], later_params):
-            cost = advance + opt[j, end, m - x[j]] + opt[i, j - 1, m - later_params]
-            if cost < best:
-                best, choice = cost, j
-    for k in range(xbar.shape[0]):
-        if m >= _chain_need(x, xbar[k], xown[k], fwd_tmp[k], bwd_tmp[k], param_prefix, i, end):
-            cost = (way_fwd_time[k, i] + bwd_time[k, i]) + opt[i + 1, end, m - xbar[k, i + 1]]
-            if cost < best:
-                best, choice = cost, -k
-    return choice
+    """The choice behind ``opt[i, e, m]`` (CHAIN or -k for way k, or a leaf j), recomputed with the table's
+    arithmetic (for ``i == e``, the way of the single stage), in numpy: only the O(L) sub-chains on the optimal
+    path are asked, so the table need not store choices. Ties go to a leaf, to the first j among leaves, and to
+    the first way."""
+    return rotor_numpy.best_choice(arrays, opt, i, end, m)
 
 
 def discretise(chain: Chain, budget: int, slots: int):

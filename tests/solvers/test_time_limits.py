@@ -189,14 +189,19 @@ WRAPPER = textwrap.dedent("""
     import cli
     import solvers.checkmate, solvers.minimum, solvers.moccasin, solvers.offload, solvers.pofo
 
-    def marked(owner, name):  # prints a marker line when the phase starts, then runs it
-        original = getattr(owner, name)
+    class Marked:  # prints a marker line when the phase starts, then runs it; a numba kernel's attributes kept
+        def __init__(self, original, name):
+            self.original, self.name = original, name
 
-        def wrapper(*args, **kwargs):
-            print("MARK " + name, flush=True)
-            return original(*args, **kwargs)
+        def __call__(self, *args, **kwargs):
+            print("MARK " + self.name, flush=True)
+            return self.original(*args, **kwargs)
 
-        setattr(owner, name, wrapper)
+        def __getattr__(self, attribute):
+            return getattr(self.original, attribute)
+
+    def marked(owner, name):
+        setattr(owner, name, Marked(getattr(owner, name), name))
 
     for owner, name in {marks}:
         marked(eval(owner), name)
