@@ -18,6 +18,7 @@ from cli_arguments import parser
 from planner import check_plan_matches, check_plan_schedules, load_chain, load_plan, save_chain, save_plan, simulate
 from planner.errors import MemschedError
 from planner.graph import GRAPH_FORMAT, load_graph, save_graph
+from planner.interrupts import interrupts_delivered
 from planner.jsonio import output_path, read_json
 from planner.plot import plot_pareto, plot_timeline
 from planner.setup import Run, TrainingSetup, check
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
             for given in (getattr(args, name, None) for name in ("output", "plot")):
                 if given:
                     output_path(given)
-            COMMANDS[args.name](args)
+            with interrupts_delivered():  # a Ctrl-C inside a finalizer is not lost (planner/interrupts.py)
+                COMMANDS[args.name](args)
         except MemschedError as exc:
             print("memsched: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
             return 2

@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 
 from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, default_loss, preserved_state, run_stages
+from planner.interrupts import interrupts_deferred
 from planner.measured_on import TensorSpec
 from profiles.cuts import (
     Cut,
@@ -301,7 +302,7 @@ def _reference_run(step, tensors, name) -> tuple:
 def _export(step, tensors, name) -> torch.fx.GraphModule:
     """The step captured by ``torch.export`` (non-strict), its parameters and buffers the model's own."""
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), interrupts_deferred():  # (a Ctrl-C inside the capture aborted the process)
             warnings.simplefilter("ignore")
             program = torch.export.export(step, tuple(tensors), strict=False)
             program = with_autocast_casts(program, _device(tensors).type)  # autocast's casts as ops, when on

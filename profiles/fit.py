@@ -27,6 +27,7 @@ from planner.errors import MemschedError
 from planner.execute.chain import apply_plan
 from planner.execute.sharded import check_sharded_run
 from planner.execute.stages import batch_resized, batch_size
+from planner.interrupts import interrupts_delivered
 from planner.render import say_on_stderr, seconds_since
 from planner.setup import Run, TrainingSetup, check
 from planner.setup.account import activation_budget
@@ -157,11 +158,12 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
     say = progress if callable(progress) and not quiet else say_on_stderr if not quiet else (lambda line: None)
     options = dict(options)
     setup = _fit_setup(setup, accumulate, optimizer, options)
-    return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
-                       warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile, setup=setup,
-                       options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph, autocast=autocast,
-                       returns=returns, say=say, device_spec=_target(device_spec, budget), batch=batch,
-                       global_batch=global_batch)
+    with interrupts_delivered():  # a Ctrl-C inside the tracker's finalizers is not lost (planner/interrupts.py)
+        return FittedModel(model, example_inputs, budget, loss_fn, solver, replan=replan, max_stages=max_stages,
+                           warmup=warmup, repeats=repeats, stage_options=stage_options, compile=compile,
+                           setup=setup, options=dict(options, optimizer=setup.optimizer, lr=lr), graph=graph,
+                           autocast=autocast, returns=returns, say=say, device_spec=_target(device_spec, budget),
+                           batch=batch, global_batch=global_batch)
 
 
 def _target(device_spec, budget):

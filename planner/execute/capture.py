@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from planner.errors import MemschedError
 from planner.execute.grouping import call_node, group
 from planner.execute.stages import StagedModel, checked_device, preserved_state, quiet_fake_tensor_log, run_stages
+from planner.interrupts import interrupts_deferred
 
 # --------------------------------------------------------------------------------------------------
 # Capture
@@ -133,7 +134,8 @@ def capture(model_or_stages, example_inputs=None, loss_fn=None, *, nodes=200, de
     device = inputs[0].device
     fake_mode = existing or FakeTensorMode(allow_non_fake_inputs=True)
     traced_inputs = [fake_copy(fake_mode, t.detach()) for t in inputs]
-    with quiet_fake_tensor_log(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with quiet_fake_tensor_log(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            interrupts_deferred():  # a Ctrl-C inside the trace could abort the process (planner/interrupts.py)
         try:
             ungraded = _names_without_gradient(module, traced_inputs, fake_mode)
             with _needing_no_gradient(module, ungraded):
