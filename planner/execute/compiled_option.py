@@ -61,7 +61,7 @@ class SelectiveRegion:
             # raise "Tensor cached during selective activation checkpoint has been mutated". The eager plan's
             # option runs instead: the operations and bytes the plan counts (dynamo kept from the frames it calls,
             # which would otherwise compile its preparation, run outside the caller's modes).
-            return _uncompiled(self.eager, *inputs)
+            return _uncompiled()(self.eager, *inputs)
         return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=self.context)
 
     def misaligned(self, unplaced: int, seen: int) -> None:
@@ -151,8 +151,15 @@ def _spelling(op) -> str:
     return str(op).replace("aten._unsafe_view.", "aten.view.")
 
 
-@torch.compiler.disable
-def _uncompiled(function, *args):
+@functools.cache
+def _uncompiled():
+    """``(function, *args) -> function(*args)`` where dynamo does not trace: torch.compiler.disable, applied at the
+    first use, since it imports dynamo (2 s that a process compiling nothing, a pipeline's rank or ``memsched
+    train``, is spared)."""
+    return torch.compiler.disable(_call)
+
+
+def _call(function, *args):
     return function(*args)
 
 

@@ -239,8 +239,8 @@ def test_a_hung_run_times_out_and_leaves_no_process(chain):
     from planner.execute.pipeline import run_pipeline
 
     plan = plan_for(chain, "1f1b", tight=False)
-    with pytest.raises(MemschedError, match=r"timed out after 8 s \(ranks \[.*1\] still running\)"):
-        run_pipeline(hanging_model, plan, 1, meter=memory_meter, progress_timeout=8)
+    with pytest.raises(MemschedError, match=r"timed out after 3 s \(ranks \[.*1\] still running\)"):
+        run_pipeline(hanging_model, plan, 1, meter=memory_meter, progress_timeout=3)
     assert multiprocessing.active_children() == []
 
 
