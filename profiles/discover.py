@@ -50,6 +50,7 @@ from planner.errors import MemschedError
 from planner.execute.stages import StagedModel, default_loss, preserved_state, run_stages
 from planner.interrupts import interrupts_deferred
 from planner.measured_on import TensorSpec
+from profiles.capture_refusal import capture_refusal
 from profiles.cuts import (
     Cut,
     OutputNotReturned,
@@ -307,8 +308,7 @@ def _export(step, tensors, name) -> torch.fx.GraphModule:
             program = torch.export.export(step, tuple(tensors), strict=False)
             program = with_autocast_casts(program, _device(tensors).type)  # autocast's casts as ops, when on
     except Exception as exc:  # noqa: BLE001 (every failure of the capture is reported in one line)
-        raise MemschedError(f"{name}: stage discovery cannot capture the forward with torch.export: "
-                            f"{type(exc).__name__}: {_one_line(exc)[:400]}") from None
+        raise MemschedError(capture_refusal(name, exc)) from None
     return eager_batch_norm(program.module())
 
 

@@ -268,7 +268,7 @@ class FittedModel(torch.nn.Module):
             if s["graph"]:  # (never for a device: planner/setup/rules.py)
                 with self.precision.profiling():
                     graph, plan, run, predicted = fit_graph(staged, s["budget"], s["solver"], s["options"],
-                                                            warmup=s["warmup"], repeats=s["repeats"])
+                                                            warmup=s["warmup"], repeats=s["repeats"], say=say)
                 planned = _Planned(discovery, graph, plan, run, _modes(self.model), predicted)
                 discovery.staged = dataclasses.replace(staged, example_inputs=None)
                 self._plans.append(planned)

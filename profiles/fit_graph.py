@@ -17,6 +17,7 @@ parameters and buffers left out (as a chain's budget leaves them out). A graph p
 
 import dataclasses
 import re
+import time
 
 import torch
 
@@ -41,27 +42,37 @@ def resident_bytes(graph, inputs) -> int:
     return graph.fixed_bytes - storage_bytes(list(inputs))
 
 
-def fit_graph(staged, budget, solver: str, options: dict, *, warmup: int, repeats: int) -> tuple:
+def fit_graph(staged, budget, solver: str, options: dict, *, warmup: int, repeats: int, say=None) -> tuple:
     """``(graph, plan, run, predicted)`` for the discovered ``staged`` model within ``budget`` (as :func:`fit` takes
     it; a percentage is of the graph's store-all peak on fit's footing). ``options``: ``nodes`` (default
     :data:`GRAPH_NODES`), ``time_limit`` (seconds, default :data:`GRAPH_TIME_LIMIT`) and the graph solver's
     parameters. ``run(a_0, *shared)`` returns the loss computed under the plan; its backward delivers the
-    gradients."""
+    gradients. ``say(line)`` is told the graph's figures and the solve's time limit before it starts (before: a
+    minute and more of silence when no schedule fits)."""
     options = {key: value for key, value in options.items() if key not in ("optimizer", "lr")}  # (for updates)
     nodes = options.pop("nodes", GRAPH_NODES)
     time_limit = options.pop("time_limit", GRAPH_TIME_LIMIT)
-    inputs = staged.example_inputs
+    inputs, started = staged.example_inputs, time.perf_counter()
     graph = profile_graph(staged.stages, inputs, returned_loss, nodes=nodes, warmup=warmup, repeats=repeats,
                           name=staged.name)
     resident = resident_bytes(graph, inputs)
     step_peak = solvers.store_all_graph_peak(graph) - resident
     wanted = parse_budget(str(budget), step_peak, what="fit budget")
+    if say is not None:
+        lower = max(0, solvers.graph_lower_bound(graph) - resident)
+        say(f"{staged.name}: joint graph of {graph.size} nodes profiled in {time.perf_counter() - started:.1f} s: "
+            f"store-all peak {format_bytes(step_peak)}, any schedule needs at least {format_bytes(lower)}; solving "
+            f"for {format_bytes(wanted)} ({solver}, at most {time_limit:g} s: time_limit= to change)...")
     try:
         plan = solvers.solve_graph(graph, wanted + resident, solver, time_limit=time_limit, **options)
     except MemschedError as exc:  # its bytes are the graph's: say so, in fit's keywords
         raise MemschedError(f"{staged.name} on the joint graph (whose bytes count the parameters and buffers, "
                             f"{format_bytes(resident)}, which fit's budget leaves out): {as_keywords(exc)}") from None
     predicted = dataclasses.replace(plan.predicted, peak_bytes=plan.predicted.peak_bytes - resident)
+    if say is not None:
+        say(f"{staged.name}: planned in {plan.solve_seconds:.1f} s ({plan.solver} on the joint graph): predicted "
+            f"peak {format_bytes(predicted.peak_bytes)}, {100 * plan.predicted.overhead:.1f}% slower than storing "
+            "everything")
     return graph, plan, GraphStep(GraphExecutor(staged, plan, graph)), predicted
 
 

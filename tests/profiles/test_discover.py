@@ -168,10 +168,13 @@ class TwoBranches(nn.Module):
         return self.a(x) * self.b(x)
 
 
-def test_a_forward_export_cannot_capture_fails_in_one_line():
+def test_a_forward_export_cannot_capture_fails_in_one_line_naming_the_models_line():
+    """Before (issue 40, item 5): 500+ characters of torch's message, cut mid-word, pointing into torch."""
     with pytest.raises(MemschedError, match="cannot capture the forward with torch.export") as error:
         discover(DataDependent(), torch.randn(2, 4))
-    one_line(error)
+    one_line(error, "at test_discover.py:", "(`return self.b(x) if x.sum() > 0 else x`)",
+             "a value computed from the batch decides a branch or a shape there", "give the stages by hand")
+    assert len(str(error.value)) < 400
 
 
 def test_a_model_with_no_cut_is_one_stage_with_the_same_loss():
@@ -236,3 +239,26 @@ def test_a_decoder_built_in_bf16_is_cut_as_its_fp32_twin(kind):
               for dtype in (torch.float32, torch.bfloat16)}
     assert stages[torch.bfloat16] == stages[torch.float32]
     assert "model.layers.1[post_attention_layernorm,mlp]" in stages[torch.bfloat16]
+
+
+def test_a_loss_computed_from_the_labels_data_dependently_is_named_and_the_advice_fits():
+    """DeBERTa-v2's classification loss keeps the labelled rows with ``(labels >= 0).nonzero()`` and branches on
+    their count: export stops there. The refusal names that line and says to capture the forward without the
+    labels; done so (the loss from the output by ``loss_fn``), fit plans and trains the model."""
+    transformers = pytest.importorskip("transformers")
+    from planner import fit
+
+    config = transformers.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(config)
+    batch = {"input_ids": torch.randint(0, 64, (4, 16)), "labels": torch.tensor([0, 2, 1, 0])}
+    with pytest.raises(MemschedError) as error:
+        fit(model, batch, "60%", warmup=0, repeats=1, progress=False)
+    one_line(error, "at modeling_deberta_v2.py:", "label", "decides a branch or a shape",
+             "capture the forward without the labels", "loss_fn=")
+    labels = batch.pop("labels")
+    fitted = fit(model, batch, "60%", loss_fn=lambda out: torch.nn.functional.cross_entropy(out.logits, labels),
+                 returns="loss", warmup=0, repeats=1, progress=False)
+    fitted(**batch).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from checks import sigint_as_a_terminal_sends_it
 from paths import ROOT
 
 pytest.importorskip("transformers")
@@ -34,7 +35,8 @@ FIT_LATENCY = 5.0
 def interrupted(tmp_path_factory):
     cache = tmp_path_factory.mktemp("numba-cache")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(JOB)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(JOB)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+                          preexec_fn=sigint_as_a_terminal_sends_it)  # (a run in the background ignores SIGINT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return json.loads(done.stdout.splitlines()[-1])
 
