@@ -74,6 +74,20 @@ def one_error_line(status, out: str, err: str, *fragments) -> str:
     return lines[0]
 
 
+def seeded_losses(first, second, batch: dict, seed: int = 0) -> tuple:
+    """Each model's loss on ``batch`` (keyword arguments; ``output.loss``) at the same seed, its backward run:
+    ``(first's loss, second's)``, their gradients left in ``.grad``."""
+    import torch
+
+    losses = []
+    for model in (first, second):
+        torch.manual_seed(seed)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss)
+    return tuple(losses)
+
+
 def sigint_as_a_terminal_sends_it():
     """In a child process before it starts (``Popen(preexec_fn=...)``): SIGINT's default disposition, which
     Python turns into KeyboardInterrupt. A test run launched in the background (``cmd &`` in a script, nohup)

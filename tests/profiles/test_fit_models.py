@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import solvers
-from checks import one_line, sized_times
+from checks import one_line, seeded_losses, sized_times
 from hf_families import mixtral, t5
 from planner.errors import MemschedError
 from planner.execute.live_memory import LiveMemoryTracker
@@ -136,12 +136,7 @@ def test_t5_with_labels_fits_and_trains_as_its_stages_do_without_a_plan(fitted_t
     assert fitted.predicted.peak_bytes <= fitted.plan.budget_bytes
     _train_three_steps(model, batch, copy.deepcopy(fitted), reference=lambda twin: _staged(twin, batch))
     twin, copied = copy.deepcopy(model), copy.deepcopy(fitted)
-    torch.manual_seed(0)
-    loss = copied(**batch).loss
-    loss.backward()
-    torch.manual_seed(0)
-    expected = twin(**batch).loss
-    expected.backward()
+    loss, expected = seeded_losses(copied, twin, batch)
     assert torch.equal(loss.detach(), expected.detach())
     for (name, p), q in zip(copied.model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
