@@ -27,7 +27,8 @@ from planner.errors import MemschedError  # noqa: E402
 from profiles import chain_profiler  # noqa: E402
 from profiles.chain_profiler import profile_chain  # noqa: E402
 from profiles.discover import discover, returned_loss  # noqa: E402
-from profiles.fit import _budget_bytes, fit  # noqa: E402
+from profiles.fit import fit  # noqa: E402
+from profiles.fit_budget import budget_bytes  # noqa: E402
 from profiles.options import DEFAULT_OPTIONS  # noqa: E402
 
 BATCH, SEQUENCE, VOCAB = 2, 256, 50257
@@ -88,7 +89,7 @@ def phases(model, batch, budget, share: bool = True) -> dict:
         chain_profiler._Runner.with_options = measure_options
     seconds["stages"] = tuple(a - b for a, b in zip(profiled, seconds["options"]))
     clock = Clock()
-    plan = solvers.solve(chain, _budget_bytes(budget, chain), "auto")
+    plan = solvers.solve(chain, budget_bytes(budget, chain), "auto")
     seconds["solve"] = clock.read()
     print(f"  {len(chain.stages)} stages; store-all peak {solvers.store_all_peak(chain) / 2**20:.1f} MiB; "
           f"{plan.solver} at {budget}: predicted peak {plan.predicted.peak_bytes / 2**20:.1f} MiB")

@@ -418,7 +418,7 @@ class _Runner:
         differences = []
         for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
             times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, option)]
-            if run >= self.warmup:
+            if run >= self.warmup or times[0] >= LONG_STEP_S:  # (a long warm-up pair counts)
                 differences.append(times[1] - times[0])
                 if times[0] >= LONG_STEP_S and len(differences) >= LONG_STEP_PAIRS:
                     break
@@ -443,12 +443,12 @@ class _Runner:
         return statistics.median(self._samples(measure))
 
     def _samples(self, measure, seconds=lambda sample: sample) -> list:
-        """``measure()``'s samples of ``repeats`` runs after ``warmup`` ones, or of one when its ``seconds`` are
-        :data:`LONG_STEP_S` or more."""
+        """``measure()``'s samples of ``repeats`` runs after ``warmup`` ones, or of the first run alone when its
+        ``seconds`` are :data:`LONG_STEP_S` or more (a warm-up's first-use costs are a small part of it)."""
         samples = []
         for run in range(self.warmup + self.repeats):
             sample = measure()
-            if run >= self.warmup:
+            if run >= self.warmup or seconds(sample) >= LONG_STEP_S:
                 samples.append(sample)
                 if seconds(sample) >= LONG_STEP_S:
                     break
