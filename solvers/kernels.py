@@ -9,11 +9,16 @@ object yet for <Library ...>" on every later call, issue 40), so the compiler ru
 never reach, and the caller's Ctrl-C is raised at once while the compilation completes behind it.
 """
 
+import contextlib
+import time
+
 import numba
 
 from solvers.limits import run_interruptibly
 
 _READY = set()  # kernels known to run without compiling: compiled in this process, or found in numba's cache
+NUMPY_SECONDS = 2.0  # seconds of numpy tables a process fills before it compiles the kernels (about 7 s, once)
+_SPENT = [0.0]  # seconds this process has spent filling numpy tables
 
 
 def ready(kernel) -> bool:
@@ -33,8 +38,20 @@ def ready(kernel) -> bool:
 
 def use_numpy(kernel, work: float, most: float) -> bool:
     """Whether a table of ``work`` inner steps is filled in numpy: at most ``most`` steps (about a second in
-    numpy) while ``kernel`` would have to be compiled first."""
-    return work <= most and not ready(kernel)
+    numpy) while ``kernel`` would have to be compiled first, and until this process has spent
+    :data:`NUMPY_SECONDS` in numpy tables (many small solves: a partition's, the tests'), the kernels' compilation
+    then paying for itself."""
+    return work <= most and _SPENT[0] < NUMPY_SECONDS and not ready(kernel)
+
+
+@contextlib.contextmanager
+def in_numpy():
+    """Counts the block's seconds as spent filling numpy tables (:func:`use_numpy`)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _SPENT[0] += time.perf_counter() - started
 
 
 def compile_for(kernel, *args) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 import solvers.rotor_numpy as rotor_numpy
 from planner.chain import Chain, StageOption
-from solvers.kernels import compile_for, use_numpy
+from solvers.kernels import compile_for, in_numpy, use_numpy
 from solvers.limits import Deadline, fill_by_spans
 from solvers.rotor_model import CHAIN, build_schedule, rotor_arrays
 
@@ -72,9 +72,11 @@ def _least_memory_table(a, deadline: Deadline = None):
         return (length + 1 - span) * (span + len(a.ways_xbar))  # sub-chains x (leaves + ways)
 
     if use_numpy(_least_memory_spans, sum(work(span) for span in range(1, length + 1)), rotor_numpy.MINIMUM_WORK):
-        rotor_numpy.least_memory_diagonal(a, need, choice)
-        fill_by_spans(length, work, lambda first, last: rotor_numpy.least_memory_spans(a, need, choice, first, last),
-                      deadline, "computing the least memory")
+        with in_numpy():
+            rotor_numpy.least_memory_diagonal(a, need, choice)
+            fill_by_spans(length, work, lambda first, last: rotor_numpy.least_memory_spans(a, need, choice, first,
+                                                                                             last),
+                          deadline, "computing the least memory")
         return need, choice
     ways = a.ways[:4]  # xbar, xown, fwd_tmp, bwd_tmp per way
 

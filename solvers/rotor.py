@@ -20,12 +20,12 @@ from planner.ops import Op
 from planner.simulate.chain import ChainSimulator
 from planner.units import format_bytes
 from solvers.extremes import store_all_schedule
-from solvers.kernels import compile_for, use_numpy
+from solvers.kernels import compile_for, in_numpy, ready, use_numpy
 from solvers.limits import fill_by_spans
 from solvers.minimum import least_memory_schedule
 from solvers.result import Solution
 from solvers.revolve import revolve_schedule
-from solvers.rotor_model import RotorArrays, build_schedule, rotor_arrays
+from solvers.rotor_model import NONE, RotorArrays, build_schedule, rotor_arrays
 from solvers.sqrt import fastest_segments, segment_bounds
 
 # Numba's default threading layers keep their workers spinning after a parallel kernel, which slows the
@@ -132,11 +132,13 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
         return (length + 1 - span) * (span + len(a.ways_xbar)) * (top + 1)  # sub-chains x (leaves + ways) x levels
 
     if use_numpy(_fill_spans, sum(work(span) for span in range(1, length + 1)), rotor_numpy.ROTOR_WORK):
-        rotor_numpy.fill_diagonal(a, opt)
-        fill_by_spans(length, work, lambda first, last: rotor_numpy.fill_spans(a, opt, first, last))
+        with in_numpy():
+            rotor_numpy.fill_diagonal(a, opt)
+            fill_by_spans(length, work, lambda first, last: rotor_numpy.fill_spans(a, opt, first, last))
         return opt
     compile_for(_fill_diagonal, a.x, *a.ways, opt)
     compile_for(_fill_spans, a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, 1, 1)
+    compile_for(_best_choice, a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, 0, 0, 0)
     _fill_diagonal(a.x, *a.ways, opt)
     # In chunks of a few milliseconds: a Ctrl-C is raised between two of them, never inside numba (solvers/limits.py).
     fill_by_spans(length, work, lambda first, last: _fill_spans(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time,
@@ -146,10 +148,41 @@ def compute_table(arrays: RotorArrays, top: int) -> np.ndarray:
 
 def best_choice(arrays: RotorArrays, opt: np.ndarray, i: int, end: int, m: int) -> int:
     """The choice behind ``opt[i, e, m]`` (CHAIN or -k for way k, or a leaf j), recomputed with the table's
-    arithmetic (for ``i == e``, the way of the single stage), in numpy: only the O(L) sub-chains on the optimal
-    path are asked, so the table need not store choices. Ties go to a leaf, to the first j among leaves, and to
-    the first way."""
-    return rotor_numpy.best_choice(arrays, opt, i, end, m)
+    arithmetic (for ``i == e``, the way of the single stage): only the O(L) sub-chains on the optimal path are
+    asked, so the table need not store choices. Ties go to a leaf, to the first j among leaves, and to the first
+    way. By the kernel once compiled, else in numpy (the same choice)."""
+    a = arrays
+    if not ready(_best_choice):
+        return rotor_numpy.best_choice(a, opt, i, end, m)
+    return _best_choice(a.x, a.nograd_tmp, a.param_prefix, a.fwd_time, *a.ways, opt, i, end, m)
+
+
+@numba.njit(cache=True)
+def _best_choice(x, nograd_tmp, param_prefix, fwd_time, xbar, xown, fwd_tmp, bwd_tmp, way_fwd_time, bwd_time, opt,
+                 i, end, m):
+    best, choice = np.inf, NONE
+    if i == end:
+        for k in range(xbar.shape[0]):
+            low = max(x[i + 1] + xbar[k, i + 1] + fwd_tmp[k, i], x[i] + x[i + 1] + xown[k, i + 1] + bwd_tmp[k, i])
+            cost = way_fwd_time[k, i] + bwd_time[k, i]
+            if m >= low and cost < best:
+                best, choice = cost, -k
+        return choice
+    advance, forwards = 0.0, 0
+    for j in range(i + 1, end + 1):
+        advance += fwd_time[j - 1]
+        forwards = _advance_need(x, nograd_tmp, i, j, end, forwards)
+        later_params = param_prefix[end + 1] - param_prefix[j]
+        if m >= max(forwards, x[j], later_params):
+            cost = advance + opt[j, end, m - x[j]] + opt[i, j - 1, m - later_params]
+            if cost < best:
+                best, choice = cost, j
+    for k in range(xbar.shape[0]):
+        if m >= _chain_need(x, xbar[k], xown[k], fwd_tmp[k], bwd_tmp[k], param_prefix, i, end):
+            cost = (way_fwd_time[k, i] + bwd_time[k, i]) + opt[i + 1, end, m - xbar[k, i + 1]]
+            if cost < best:
+                best, choice = cost, -k
+    return choice
 
 
 def discretise(chain: Chain, budget: int, slots: int):

@@ -62,6 +62,12 @@ def test_the_numpy_tables_equal_the_kernels_and_their_choices_reach_the_optimum(
     for theirs, mine in zip(kernel, ours):
         assert np.array_equal(theirs[upper], mine[upper])  # inf where nothing fits, on both sides
     opt = ours[0]
+    rng = np.random.default_rng(seed)
+    for _ in range(200):  # the choice behind a cell: numpy's is the kernel's (ties to a leaf, the first j, way)
+        i, end = sorted(int(v) for v in rng.integers(0, chain.length + 1, size=2))
+        m = int(rng.integers(0, top + 1))
+        assert rotor_numpy.best_choice(arrays, opt, i, end, m) == rotor_module._best_choice(
+            arrays.x, arrays.nograd_tmp, arrays.param_prefix, arrays.fwd_time, *arrays.ways, opt, i, end, m)
     simulator = ChainSimulator(chain)
     low = minimum_budget(chain, options=options) - chain.input_bytes
     for level in sorted({low, (low + top) // 2, top}):
@@ -81,11 +87,13 @@ def test_a_table_is_filled_in_numpy_only_while_small_and_its_kernel_not_compiled
     monkeypatch.setattr(rotor_module, "_fill_spans", lambda *args: fills.append("kernel"))
     monkeypatch.setattr(rotor_module, "_fill_diagonal", lambda *args: None)
     monkeypatch.setattr(rotor_module, "compile_for", lambda *args: None)
-    for ready, most, expected in ((False, rotor_numpy.ROTOR_WORK, "numpy"), (True, rotor_numpy.ROTOR_WORK, "kernel"),
-                                  (False, 10, "kernel")):
+    numpy_seconds, most = kernels.NUMPY_SECONDS, rotor_numpy.ROTOR_WORK
+    for ready, work, spent, expected in ((False, most, 0.0, "numpy"), (True, most, 0.0, "kernel"),
+                                         (False, 10, 0.0, "kernel"), (False, most, numpy_seconds, "kernel")):
         fills.clear()
         monkeypatch.setattr(kernels, "ready", lambda kernel, ready=ready: ready)
-        monkeypatch.setattr(rotor_numpy, "ROTOR_WORK", most)
+        monkeypatch.setattr(rotor_numpy, "ROTOR_WORK", work)
+        monkeypatch.setattr(kernels, "_SPENT", [spent])  # this process's seconds in numpy tables so far
         rotor_module.compute_table(arrays, 40)
         assert set(fills) == {expected}
 
