@@ -17,6 +17,7 @@ import numba
 from solvers.limits import run_interruptibly
 
 _READY = set()  # kernels known to run without compiling: compiled in this process, or found in numba's cache
+_ABSENT = set()  # kernels not in numba's cache when it was read: ready once compiled in this process
 NUMPY_SECONDS = 2.0  # seconds of numpy tables a process fills before it compiles the kernels (about 7 s, once)
 _SPENT = [0.0]  # seconds this process has spent filling numpy tables
 
@@ -27,12 +28,13 @@ def ready(kernel) -> bool:
     if kernel in _READY or kernel.overloads:
         _READY.add(kernel)
         return True
+    if kernel in _ABSENT:  # numba's cache read once: not again on every call (a choice is asked per sub-chain)
+        return False
     try:
         cached = bool(kernel._cache._cache_file._load_index())  # numba's own check: version and source stamp
     except (AttributeError, OSError, EOFError, ValueError):  # (numba's private layout changed, or a torn index)
         cached = False
-    if cached:
-        _READY.add(kernel)
+    (_READY if cached else _ABSENT).add(kernel)
     return cached
 
 
