@@ -30,7 +30,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from planner.allocator import rounding
 from planner.chain import Chain, Loss, Stage, StageOption
 from planner.errors import MemschedError
-from planner.execute.autograd import accumulate_grads
 from planner.execute.live_memory import LiveMemoryTracker
 from planner.execute.records import measured_on, parameter_layout, shared_parameters
 from planner.execute.selective import forward_nodes, recomputation, run_with_option
@@ -48,6 +47,7 @@ from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
 from profiles.roofline import roofline
+from profiles.stage_runs import HandOver, fresh_input, module_buffers, module_parameters, stage_backward
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -55,6 +55,9 @@ DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
 # and an option's extra seconds in LONG_STEP_PAIRS pairs: its noise is a small part of it (GPT-2 small's lm_head,
 # ~120 GFLOP a step, took 18 s at one thread timed 3 times)
 LONG_STEP_S, LONG_STEP_PAIRS = 0.25, 3
+# Seconds the live-memory tracker adds to one operation it sees (its Python: 50-70 us measured on this CPU, a
+# chain of 12,000 small operations), bounded from above
+TRACKED_OPERATION_S = 1e-4
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
@@ -98,7 +101,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             preserved_state(modules, device), quiet_fake_tensor_log():
         first, extra = inputs[0], inputs[1:]
         for module in modules:  # gradients are made from None, as in a step (the caller's come back after)
-            for parameter in _module_parameters(module):
+            for parameter in module_parameters(module):
                 parameter.grad = None
         resident = _tensors(inputs)
         profiled, owned, measured, same_as, kept_inputs = [], _parameter_owners(modules), {}, [], {}
@@ -217,10 +220,10 @@ class _Runner:
         """Profile one stage on ``activation``; return ``(Stage, its output detached)``."""
         call = _guarded(k, stage_name, module, extra, self.ran)
         # Parameters and buffers (a causal mask) exist before the step: saving one allocates nothing.
-        parameter_keys = {t.untyped_storage()._cdata for t in _module_parameters(module) + _module_buffers(module)}
+        parameter_keys = {t.untyped_storage()._cdata for t in module_parameters(module) + module_buffers(module)}
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
         with self._meter() as meter:
-            stage_input = _fresh_input(activation, needs_grad)
+            stage_input = fresh_input(activation, needs_grad)
             start = meter.current
             packed = {}  # storage key -> bytes; no references kept, so the backward frees as it goes
 
@@ -228,8 +231,10 @@ class _Runner:
                 packed.update(storages([tensor], size_of=self.size_of))  # noqa: F821 (closure, later del)
                 return tensor
 
+            clock = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = call(stage_input)
+            seconds = [time.perf_counter() - clock]
             forward_peak = meter.peak - start
             outputs = _tensors(output)
             out_bytes = self.bytes(outputs)
@@ -247,29 +252,32 @@ class _Runner:
             meter.reset_peak()
             start = meter.current - unsaved
             del output
-            _backward(outputs, stage_input, module, release=True)
+            clock = time.perf_counter()
+            stage_backward(outputs, stage_input, module, release=True)
+            seconds.append(time.perf_counter() - clock)
             backward_peak = meter.peak - start - gradient_bytes  # δ_{k+1}: resident in the model, made here
+            timed = self._timed_by(meter, seconds)
             del packed, outputs, stage_input
             held_peak = backward_peak
             if saved_outputs:  # and once more with the outputs held to the end, as a pipeline engine holds them
-                for parameter in _module_parameters(module):
+                for parameter in module_parameters(module):
                     parameter.grad = None
-                stage_input = _fresh_input(activation, needs_grad)
+                stage_input = fresh_input(activation, needs_grad)
                 outputs = _tensors(call(stage_input))
                 meter.reset_peak()
                 start = meter.current
-                _backward(outputs, stage_input, module)
+                stage_backward(outputs, stage_input, module)
                 held_peak = meter.peak - start - gradient_bytes
                 del outputs, stage_input
             meter.reset_peak()
             start = meter.current
             with torch.no_grad():
-                next_activation = call(_fresh_input(activation, False))
+                next_activation = call(fresh_input(activation, False))
             no_grad_peak = meter.peak - start
         param_bytes = self.bytes(list(owned))
-        for parameter in _module_parameters(module):
+        for parameter in module_parameters(module):
             parameter.grad = None
-        fwd_time, bwd_time = self._stage_times(call, activation, needs_grad, module)
+        fwd_time, bwd_time = self._stage_times(call, activation, needs_grad, module, timed)
         stage = Stage(
             name=stage_name, fwd_time=fwd_time, bwd_time=bwd_time, out_bytes=out_bytes, saved_bytes=saved_bytes,
             fwd_tmp_bytes=max(0, forward_peak - saved_bytes), nograd_tmp_bytes=max(0, no_grad_peak - out_bytes),
@@ -283,7 +291,7 @@ class _Runner:
         detached)``, the figures ``measured``'s but for its name and the bytes of the parameters it ``owned``; its
         output from one run without autograd; None when that output's bytes are not ``measured``'s."""
         with torch.no_grad():
-            output = _guarded(k, stage_name, module, extra, self.ran)(_fresh_input(activation, False))
+            output = _guarded(k, stage_name, module, extra, self.ran)(fresh_input(activation, False))
         if self.bytes(_tensors(output)) != measured.out_bytes:
             return None
         stage = dataclasses.replace(measured, name=stage_name, param_bytes=self.bytes(list(owned)))
@@ -293,7 +301,7 @@ class _Runner:
         """``stage`` with its options (profiles/options.py), measured here or taken from an identical stage in
         ``known`` (fingerprint -> options); a stage whose graph cannot be had (torch.export fails) gets none."""
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
-        stage_input = _fresh_input(activation, needs_grad)
+        stage_input = fresh_input(activation, needs_grad)
         try:
             nodes = forward_nodes(module, (stage_input, *extra))
         except MemschedError:
@@ -303,20 +311,25 @@ class _Runner:
         del stage_input
         fingerprint = structure(nodes, module)
         if fingerprint not in known:  # as extra seconds over the stage's: an identical one adds them to its own
-            known[fingerprint] = [self.option(k, stage_name, module, positions, activation, extra, input_bytes)
-                                  for positions in candidate_recomputes(nodes, count)]
+            measured = [self.option(k, stage_name, module, positions, activation, extra, input_bytes)
+                        for positions in candidate_recomputes(nodes, count)]
+            extras = self._extra_steps(_guarded(k, stage_name, module, extra, self.ran), [run for _, run in measured],
+                                       activation, needs_grad, module)
+            known[fingerprint] = [dataclasses.replace(option, fwd_time=max(0.0, seconds - option.bwd_time))
+                                  for (option, _), seconds in zip(measured, extras)]
         options = [dataclasses.replace(o, fwd_time=stage.fwd_time + o.fwd_time, bwd_time=stage.bwd_time + o.bwd_time)
                    for o in known[fingerprint]]
         return dataclasses.replace(stage, options=pareto_front(stage, options))
 
-    def option(self, k, stage_name, module, recompute, activation, extra, input_bytes) -> StageOption:
-        """Measure stage ``k`` run recomputing the operations at positions ``recompute``
-        (as the executor runs it). Its seconds are those an option run takes beyond a plain one, which
-        :meth:`with_options` adds to the stage's own: for the backward, the recomputation it adds, timed alone
-        (the rest of the backward is the plain one); for the forward, the rest of what a forward and backward
-        with the option take beyond plain ones (:meth:`_extra_step`: the graph's and the hooks' own costs,
-        measured 2 ms of a gpt-tiny block's 25). A rotor-style schedule runs each ``F_all`` once per ``B``, so
-        the split between the two does not change a plan's time.
+    def option(self, k, stage_name, module, recompute, activation, extra, input_bytes) -> tuple:
+        """Measure stage ``k`` run recomputing the operations at positions ``recompute`` (as the executor runs
+        it): ``(StageOption, its run)``, the option's forward seconds left for :meth:`with_options` to set from
+        the run. Its seconds are those an option run takes beyond a plain one, which :meth:`with_options` adds to
+        the stage's own: for the backward, the recomputation it adds, timed alone (the rest of the backward is the
+        plain one); for the forward, the rest of what a forward and backward with the option take beyond plain
+        ones (:meth:`_extra_steps`: the graph's and the hooks' own costs, measured 2 ms of a gpt-tiny block's 25).
+        A rotor-style schedule runs each ``F_all`` once per ``B``, so the split between the two does not change a
+        plan's time.
 
         Its outputs count as not kept by its backward (``own_saved_bytes`` leaves them out) and its backward's
         temporaries are measured with them held: the executor lets an output go once the next stage has read it,
@@ -328,7 +341,7 @@ class _Runner:
 
         needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
         with self._meter() as meter:
-            stage_input = _fresh_input(activation, needs_grad)
+            stage_input = fresh_input(activation, needs_grad)
             start = meter.current
             output = call(stage_input)
             forward_peak, kept = meter.peak - start, meter.current - start  # what autograd keeps, the output
@@ -337,22 +350,19 @@ class _Runner:
             gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             meter.reset_peak()
             start = meter.current
-            _backward(outputs, stage_input, module)
+            stage_backward(outputs, stage_input, module)
             backward_peak = meter.peak - start - gradient_bytes
             del output, outputs, stage_input
-        for parameter in _module_parameters(module):
+        for parameter in module_parameters(module):
             parameter.grad = None
         with torch.enable_grad():
             replay = _guarded_run(k, stage_name, lambda: recomputation(
-                module, recompute, _fresh_input(activation, needs_grad), *extra), self.ran)
+                module, recompute, fresh_input(activation, needs_grad), *extra), self.ran)
         extra_bwd = self._median(lambda: self._flops_or_time(replay))
-        plain = _guarded(k, stage_name, module, extra, self.ran)
-        extra = self._extra_step(plain, call, activation, needs_grad, module)
-        extra_fwd = max(0.0, extra - extra_bwd)
         saved = max(kept, out_bytes)
-        return StageOption(recompute=tuple(recompute), fwd_time=extra_fwd, bwd_time=extra_bwd, saved_bytes=saved,
+        return StageOption(recompute=tuple(recompute), fwd_time=0.0, bwd_time=extra_bwd, saved_bytes=saved,
                            own_saved_bytes=saved - out_bytes, fwd_tmp_bytes=max(0, forward_peak - saved),
-                           bwd_tmp_bytes=max(0, backward_peak - input_bytes))
+                           bwd_tmp_bytes=max(0, backward_peak - input_bytes)), call
 
     def loss(self, loss_fn, last_stage, last_input, needs_grad, activation, gradient_bytes) -> Loss:
         """Profile the loss and its backward: transient bytes above ``δ_L``, what its forward leaves, and seconds.
@@ -361,12 +371,13 @@ class _Runner:
         holds the output: the last stage runs with autograd first, then the loss gets its output through an
         identity that stops the gradient there (``δ_L`` is made, the stage's backward is not run). Then the
         loss's forward alone with the output held, as a pipeline's last stage runs it: the bytes it leaves
-        (its value and saved tensors) are ``saved_bytes``.
+        (its value and saved tensors) are ``saved_bytes``. One run measures both: the output is let go after the
+        loss's forward, before its backward (the forward's peak is the same with it held).
         """
         source = torch.zeros((), requires_grad=True)  # made before the window opens: the real step has none
 
         def forward(output):
-            value = loss_fn(_HandOver.hand(output, source))
+            value = loss_fn(HandOver.hand(output, source))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise MemschedError(f"the loss function must return a scalar tensor, got {type(value).__name__}")
             return value
@@ -376,17 +387,14 @@ class _Runner:
 
         with self._meter() as meter:
             with torch.enable_grad():
-                output = [last_stage(_fresh_input(last_input, needs_grad))]
-            start = meter.current
-            _guarded_loss(lambda: measure(output))  # noqa: F821 (closure, later del)
-            peak = meter.peak - start
-        with self._meter() as meter:  # the loss's forward alone, its input still held (as a pipeline's last stage)
-            with torch.enable_grad():
-                output = last_stage(_fresh_input(last_input, needs_grad))
+                output = last_stage(fresh_input(last_input, needs_grad))
             start = meter.current
             value = _guarded_loss(lambda: forward(output))  # noqa: F821 (closure, later del)
-            saved = meter.current - start
-            del value, output
+            saved = meter.current - start  # its input still held, as a pipeline's last stage holds it
+            del output  # then held by the graph alone, as in the step
+            _guarded_loss(lambda: torch.autograd.grad(value, [source], allow_unused=True))  # noqa: F821
+            del value
+            peak = meter.peak - start
         seconds = self._median(lambda: self._flops_or_time(lambda: _guarded_loss(lambda: measure([activation]))))
         return Loss(bwd_time=seconds, tmp_bytes=max(0, peak - gradient_bytes), saved_bytes=max(0, saved))
 
@@ -395,34 +403,49 @@ class _Runner:
 
     def _timed_step(self, call, activation, needs_grad, module) -> tuple:
         """``(forward, backward)`` seconds of one ``call`` on a fresh input and its backward (gradients cleared)."""
-        stage_input = _fresh_input(activation, needs_grad)
+        stage_input = fresh_input(activation, needs_grad)
         holder = {}
         fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))
         outputs = _tensors(holder.pop("output"))
-        bwd = self._flops_or_time(lambda: _backward(outputs, stage_input, module))
-        for parameter in _module_parameters(module):
+        bwd = self._flops_or_time(lambda: stage_backward(outputs, stage_input, module))
+        for parameter in module_parameters(module):
             parameter.grad = None
         return fwd, bwd
 
-    def _stage_times(self, call, activation, needs_grad, module):
+    def _stage_times(self, call, activation, needs_grad, module, timed=None):
         """The median forward and backward seconds of ``repeats`` timed steps after ``warmup`` ones; one when it
-        takes :data:`LONG_STEP_S` or more."""
-        forward, backward = zip(*self._samples(lambda: self._timed_step(call, activation, needs_grad, module), sum))
+        takes :data:`LONG_STEP_S` or more; ``timed`` (``(forward, backward)`` seconds) when the memory run was
+        timing enough (:meth:`_timed_by`)."""
+        forward, backward = zip(*([timed] if timed else self._samples(
+            lambda: self._timed_step(call, activation, needs_grad, module), sum)))
         return statistics.median(forward), max(0.0, statistics.median(backward) - self._backward_call_cost())
 
-    def _extra_step(self, plain, option, activation, needs_grad, module) -> float:
-        """The median seconds a forward and backward with ``option`` take beyond ``plain`` ones, the two timed in
-        turn, ``2 * repeats + 1`` times (their difference is a few percent of either, the noise of this
-        machine as much; :data:`LONG_STEP_PAIRS` times for a plain step of :data:`LONG_STEP_S` or more); at least
-        0."""
-        differences = []
-        for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
-            times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, option)]
-            if run >= self.warmup or times[0] >= LONG_STEP_S:  # (a long warm-up pair counts)
-                differences.append(times[1] - times[0])
-                if times[0] >= LONG_STEP_S and len(differences) >= LONG_STEP_PAIRS:
+    def _timed_by(self, meter, seconds) -> tuple:
+        """``seconds`` (the forward's and the backward's of a stage's memory run) as its timed step, when the run
+        is long and the live-memory tracker's Python per operation is a small part of it: at least
+        :data:`LONG_STEP_S`, and :data:`TRACKED_OPERATION_S` a tracked operation at most 1% of it (GPT-2 small's
+        lm_head: a 3 s step in ~30 operations, not timed again); else None (CUDA's meter, an estimate)."""
+        total = sum(seconds)
+        if self.fake or not isinstance(meter, LiveMemoryTracker) or total < LONG_STEP_S:
+            return None
+        return tuple(seconds) if meter.operations * TRACKED_OPERATION_S <= 0.01 * total else None
+
+    def _extra_steps(self, plain, options, activation, needs_grad, module) -> list:
+        """For each of ``options`` (stage calls), the median seconds a forward and backward with it take beyond
+        a ``plain`` one; at least 0. Timed in rounds, the plain step then each option in turn (one plain step per
+        round serves every option: a stage's 4 options take 5 steps a round, not 8), ``2 * repeats + 1`` rounds
+        after ``warmup`` ones (a difference is a few percent of either step, the noise of this machine as much;
+        :data:`LONG_STEP_PAIRS` rounds for a plain step of :data:`LONG_STEP_S` or more, a long warm-up round
+        counted)."""
+        differences = [[] for _ in options]
+        for run in range(0 if not options else self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
+            base, *times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, *options)]
+            if run >= self.warmup or base >= LONG_STEP_S:
+                for found, seconds in zip(differences, times):
+                    found.append(seconds - base)
+                if base >= LONG_STEP_S and len(differences[0]) >= LONG_STEP_PAIRS:
                     break
-        return max(0.0, statistics.median(differences))
+        return [max(0.0, statistics.median(found)) for found in differences]
 
     def _backward_call_cost(self) -> float:
         """Seconds one measured backward spends starting autograd on a trivial graph, which a stage's backward
@@ -434,7 +457,7 @@ class _Runner:
             samples = []
             for _ in range(20):
                 output = leaf * 1.0
-                samples.append(self._flops_or_time(lambda: _backward([output], leaf, None)))
+                samples.append(self._flops_or_time(lambda: stage_backward([output], leaf, None)))
             self._call_cost = statistics.median(samples[5:])
         return self._call_cost
 
@@ -470,93 +493,6 @@ class _Runner:
         started = time.perf_counter()
         work()
         return time.perf_counter() - started
-
-
-class _IncomingGradient(torch.autograd.Function):
-    """Identity whose backward hands on a fresh gradient of ones, owned by autograd alone.
-
-    In a whole chain, the gradient reaching a stage is a buffer that autograd frees as soon as the stage's
-    first backward operation has used it; a gradient held by the caller would stay to the end and inflate
-    the measured peak. The values (ones) change neither sizes nor times.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor):
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ones(grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-class _HandOver(torch.autograd.Function):
-    """Identity on a tensor, differentiable with respect to a scalar ``source`` instead of the tensor.
-
-    Its backward receives the tensor's gradient (so autograd makes it, as for ``δ_L`` in a whole chain)
-    and drops it, so the gradient goes no further; the caller need not keep the tensor to differentiate.
-    It returns no gradient for ``source`` either, so that it allocates nothing the real step would not.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor, source):
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
-
-    @staticmethod
-    def hand(tree, source):
-        return tree_map(lambda t: _HandOver.apply(t, source) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                        else t, tree)
-
-
-def _backward(outputs, stage_input, module, release: bool = False) -> None:
-    """The stage's backward as in a whole chain: parameter gradients into ``.grad``, input gradients made.
-
-    ``release``: ``outputs`` (a list) is emptied once the backward's root is built, so that, as in the executor
-    (which keeps only the outputs' gradient edges), an output the backward saved dies when its operation's
-    backward has run, not at the end (a block ending in ReLU: its output, a whole activation, at the start).
-
-    ``torch.autograd.grad`` rather than ``backward``: the stage's input is a leaf here but not in the real
-    chain, and accumulating into a leaf's ``.grad`` can copy the gradient, which the real step never does.
-    The parameter gradients go into ``.grad`` as the executor puts them (``planner.execute.autograd.accumulate_grads``:
-    autograd's layout rule, so a gradient AccumulateGrad would copy is copied here too, at either thread count).
-    """
-    differentiable = [t for t in outputs if t.requires_grad]
-    targets = [t for t in _tensors(stage_input) if t.requires_grad]
-    parameters = [p for p in _module_parameters(module) if p.requires_grad] if module is not None else []
-    if not differentiable or not targets + parameters:
-        return
-    if len(differentiable) == 1 and differentiable[0].numel() == 1:
-        root = differentiable[0]  # the loss: its gradient is the scalar 1
-    else:
-        root = sum(_IncomingGradient.apply(t).sum() for t in differentiable)
-    del differentiable
-    if release:
-        outputs.clear()
-    results = list(torch.autograd.grad(root, targets + parameters, allow_unused=True))
-    parameter_grads, results[len(targets):] = results[len(targets):], []  # accumulate_grads' alone (it frees them)
-    accumulate_grads(parameters, parameter_grads)
-
-
-def _module_parameters(module) -> list:
-    return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
-
-
-def _module_buffers(module) -> list:
-    return list(module.buffers()) if isinstance(module, torch.nn.Module) else []
-
-
-def _fresh_input(activation, needs_grad):
-    """A detached copy-free view of ``activation``; floating tensors require grad when the stage's input does."""
-    def fresh(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        leaf = t.detach()
-        return leaf.requires_grad_(needs_grad and leaf.is_floating_point())
-
-    return tree_map(fresh, activation)
 
 
 def _guarded(k, stage_name, module, extra, ran):
