@@ -64,8 +64,9 @@ def make(chain, devices, memory, micro, schedule, bandwidth=None, setup=None):
                             latency=1e-5 if bandwidth else 0.0, setup=setup, slots=200)
 
 
+# (stages, devices, seed): 8 stages once (the brute force re-solves every segment for each of its compositions)
 CASES = [(length, devices, seed) for length, devices, seed in
-         [(4, 2, 0), (5, 3, 1), (6, 2, 2), (6, 4, 3), (7, 3, 4), (8, 4, 5), (8, 2, 6), (8, 3, 7), (5, 1, 8)]]
+         [(4, 2, 0), (5, 3, 1), (6, 2, 2), (6, 4, 3), (7, 3, 4), (8, 4, 5), (7, 2, 6), (5, 1, 8)]]
 
 
 @pytest.mark.slow
