@@ -20,7 +20,12 @@ import time
 
 from planner.chain import Stage, StageOption
 
-DEFAULT_OPTIONS = 4  # candidates measured per distinct stage by `memsched profile` (0: none)
+DEFAULT_OPTIONS = 4  # candidates measured per distinct stage by `memsched profile` (0: none), policies beside them
+# The operations selective-checkpoint policies keep (torch.utils.checkpoint's "save the matmuls", torchtitan's save
+# list): matrix products first (every second one of these recomputed by torchtitan's policy), then attention and
+# convolutions
+MATRIX_PRODUCTS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_dot_product",
+                   "aten.convolution.")
 # A nominal machine balance, FLOPs per byte of memory traffic (fp32 on a recent GPU: 67 TFLOP/s over
 # 3.35 TB/s is 20): it weighs a matrix product's arithmetic against an element-wise operation's traffic.
 # A machine's own measured figure would again move with its noise. Least budget (options) of a model whose
@@ -63,14 +68,7 @@ def candidate_recomputes(nodes, count: int) -> list:
     for node in nodes:
         if not (node.saved and node.recomputable and node.bytes):
             continue
-        closure, stack = set(), [node.position]
-        while stack:
-            position = stack.pop()
-            if position in closure:
-                continue
-            closure.add(position)
-            stack.extend(d for d in by_position[position].inputs
-                         if by_position[d].recomputable and holding(d) and d not in closure)
+        closure = _closure(node, by_position, holding)
         frontier = {d for p in closure for d in by_position[p].inputs if d not in closure}
         freed = sum(by_position[p].bytes for p in closure if by_position[p].saved)
         gain = freed - sum(holding(d) for d in frontier)
@@ -83,15 +81,51 @@ def candidate_recomputes(nodes, count: int) -> list:
             union |= closure
             total += freed
             prefixes.append((total, tuple(sorted(union))))
-    if not prefixes:
-        return []
     chosen = []
-    for step in range(1, count + 1):
+    for step in range(1, count + 1 if prefixes else 1):
         target = total * step / count
         best = min(prefixes, key=lambda prefix: (abs(prefix[0] - target), len(prefix[1])))[1]
         if best not in chosen:
             chosen.append(best)
+    for policy in policy_recomputes(nodes, holding):  # what users of selective checkpointing write by hand
+        if policy and policy not in chosen:
+            chosen.append(policy)
     return chosen
+
+
+def policy_recomputes(nodes, holding) -> list:
+    """The selective-checkpoint policies people write by hand, as ``recompute`` tuples: keep the values of the
+    matrix products, attention and convolutions (:data:`MATRIX_PRODUCTS`) and recompute every other saved value
+    (PyTorch's "save the matmuls" policy); and the same recomputing every second matrix product as well
+    (torchtitan's selective op checkpointing). Each recomputes a saved value with the operations back to values
+    held anyway (``holding``: see :func:`candidate_recomputes`), never through a kept operation."""
+    by_position = {node.position: node for node in nodes}
+    products = [node.position for node in nodes if node.name.startswith(MATRIX_PRODUCTS)]
+    matmuls = [p for p in products if by_position[p].name.startswith(MATRIX_PRODUCTS[:5])]
+    policies = []
+    for kept in (set(products), set(products) - set(matmuls[1::2])):
+        kept |= {node.position for node in nodes  # the items of a kept tuple (attention's output and statistics)
+                 if any(d in kept and by_position[d].several for d in node.inputs)}
+        recompute = set()
+        for node in nodes:
+            if node.saved and node.recomputable and node.bytes and node.position not in kept:
+                recompute |= _closure(node, by_position, holding, barrier=kept)
+        policies.append(tuple(sorted(recompute)))
+    return policies
+
+
+def _closure(node, by_position, holding, barrier=frozenset()) -> set:
+    """``node`` and the operations back from it to values held anyway (those ``holding`` says cost nothing more
+    to keep, and the ``barrier`` operations, kept by a policy): what recomputing its value runs."""
+    closure, stack = set(), [node.position]
+    while stack:
+        position = stack.pop()
+        if position in closure:
+            continue
+        closure.add(position)
+        stack.extend(d for d in by_position[position].inputs
+                     if by_position[d].recomputable and holding(d) and d not in closure and d not in barrier)
+    return closure
 
 
 def work(node) -> float:

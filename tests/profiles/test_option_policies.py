@@ -1,0 +1,60 @@
+"""The selective-checkpoint policies people write by hand are among a stage's options (issue 41): PyTorch's "save
+the matmuls" (matrix products and attention kept, the rest recomputed) and torchtitan's "every second matmul"
+recomputed as well; measured against torch's own selective checkpointing of the same block, the option keeps no
+more bytes and recomputes no matrix product."""
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from planner.execute.live_memory import LiveMemoryTracker
+from planner.execute.selective import forward_nodes
+from profiles.chain_profiler import profile_chain
+from profiles.options import MATRIX_PRODUCTS, candidate_recomputes
+
+
+class Mlp(nn.Module):
+    """A transformer's MLP half-block: norm, up-projection, GELU, down-projection, residual."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm, self.up, self.act, self.down = (nn.LayerNorm(width), nn.Linear(width, 4 * width),
+                                                   nn.GELU("tanh"), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+def _save_matmuls():
+    return create_selective_checkpoint_contexts([torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
+
+
+def test_the_save_matmuls_option_keeps_no_more_than_torch_selective_checkpointing():
+    torch.manual_seed(0)
+    block, x = Mlp(), torch.randn(8, 64, 32)
+    with LiveMemoryTracker() as tracker:  # torch's own: the bytes its forward leaves (output included)
+        output = checkpoint(block, x.clone().requires_grad_(), use_reentrant=False, context_fn=_save_matmuls)
+        kept_by_torch = tracker.current
+    del output
+    nodes = forward_nodes(block, (x.clone().requires_grad_(),))
+    chain = profile_chain([block], (x,), options=4, warmup=0, repeats=1)
+    stage = chain.stages[0]
+    products = {node.position for node in nodes if node.name.startswith(MATRIX_PRODUCTS)}
+    assert products and stage.saved_bytes > kept_by_torch  # the plain stage keeps more: the policy saves bytes
+    matching = [o for o in stage.options if not set(o.recompute) & products and o.saved_bytes <= kept_by_torch]
+    assert matching, ([(o.recompute, o.saved_bytes) for o in stage.options], kept_by_torch)
+
+
+def test_every_second_matrix_product_is_recomputed_by_torchtitan_s_policy():
+    """Four products, each but the last saved by the GELU after it: the policy recomputes the second and the
+    fourth (the latter saved by nothing: nothing to recompute), keeps the first and the third."""
+    torch.manual_seed(0)
+    layers = [layer for _ in range(3) for layer in (nn.Linear(16, 16), nn.GELU())] + [nn.Linear(16, 16)]
+    chain = nn.Sequential(*layers)
+    nodes = forward_nodes(chain, (torch.randn(4, 16, requires_grad=True),))
+    products = [node.position for node in nodes if node.name.startswith(MATRIX_PRODUCTS)]
+    assert len(products) == 4
+    candidates = [set(c) for c in candidate_recomputes(nodes, 4)]
+    gelus = {node.position for node in nodes if node.name.startswith("aten.gelu")}
+    assert any(c & set(products) == {products[1]} and gelus <= c for c in candidates), candidates
+    assert any(not c & set(products) and gelus <= c for c in candidates), candidates  # save the matmuls
