@@ -5,7 +5,8 @@
 
 For each Hugging Face model (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, random weights, dropout as configured,
 ``--layers`` layers of width ``--width``, a batch of ``--batch`` x ``--sequence`` token ids with labels), each peer
-runs its own training step (``out = model(**batch); out.loss.backward()``) on its own copy of the model:
+runs its own training step (``out = model(**batch); out.loss.backward()``, ``out`` and its logits held through
+the backward) on its own copy of the model:
 
 * ``plain``: the model as it is (everything stored);
 * ``hf``: Hugging Face's ``gradient_checkpointing_enable()`` (every layer recomputed, non-reentrant);
@@ -98,7 +99,8 @@ class Step:
     def __call__(self):
         for parameter in self.parameters:
             parameter.grad = None
-        self.model(**self.batch).loss.backward()
+        output = self.model(**self.batch)  # held through the backward, as a loop holding ``out`` holds it
+        output.loss.backward()
 
     def warm(self, steps: int = 2) -> None:
         """``steps`` steps, compiling first (at :attr:`fraction`, read when it compiles)."""

@@ -58,6 +58,9 @@ LONG_STEP_S, LONG_STEP_PAIRS = 0.25, 3
 # Seconds the live-memory tracker adds to one operation it sees (its Python: 50-70 us measured on this CPU, a
 # chain of 12,000 small operations), bounded from above
 TRACKED_OPERATION_S = 1e-4
+# An option's differences over a plain step agreeing within this share of the step after LONG_STEP_PAIRS rounds:
+# no more rounds (a quiet machine's; a loaded one's spread further, and get 2 * repeats + 1)
+AGREEING_SHARE = 0.03
 
 
 def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2, repeats=5, name="model",
@@ -434,16 +437,18 @@ class _Runner:
         """For each of ``options`` (stage calls), the median seconds a forward and backward with it take beyond
         a ``plain`` one; at least 0. Timed in rounds, the plain step then each option in turn (one plain step per
         round serves every option: a stage's 4 options take 5 steps a round, not 8), ``2 * repeats + 1`` rounds
-        after ``warmup`` ones (a difference is a few percent of either step, the noise of this machine as much;
-        :data:`LONG_STEP_PAIRS` rounds for a plain step of :data:`LONG_STEP_S` or more, a long warm-up round
-        counted)."""
+        after ``warmup`` ones (a difference is a few percent of either step, the noise of this machine as much),
+        or :data:`LONG_STEP_PAIRS` rounds once every option's differences so far lie within
+        :data:`AGREEING_SHARE` of the plain step, or for a plain step of :data:`LONG_STEP_S` or more (a long
+        warm-up round counted)."""
         differences = [[] for _ in options]
         for run in range(0 if not options else self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
             base, *times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, *options)]
             if run >= self.warmup or base >= LONG_STEP_S:
                 for found, seconds in zip(differences, times):
                     found.append(seconds - base)
-                if base >= LONG_STEP_S and len(differences[0]) >= LONG_STEP_PAIRS:
+                if len(differences[0]) >= LONG_STEP_PAIRS and (base >= LONG_STEP_S or all(
+                        max(found) - min(found) <= AGREEING_SHARE * base for found in differences)):
                     break
         return [max(0.0, statistics.median(found)) for found in differences]
 
