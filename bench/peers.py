@@ -3,8 +3,9 @@
     python bench/peers.py [gpt2 llama] [--layers 6] [--width 512] [--batch 4] [--sequence 256] [--pairs 8]
                           [--peers plain,hf,sac,compile] [--fractions 0.05,0.2,0.4,0.6,0.8] [--threads 1]
 
-For each Hugging Face model (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, random weights, dropout as configured,
-``--layers`` layers of width ``--width``, a batch of ``--batch`` x ``--sequence`` token ids with labels), each peer
+For each Hugging Face model (``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``BertForMaskedLM``, random weights,
+dropout as configured, ``--layers`` layers of width ``--width``, a batch of ``--batch`` x ``--sequence`` token ids
+with labels; the masked LM's labels are the ids themselves), each peer
 runs its own training step (``out = model(**batch); out.loss.backward()``, ``out`` and its logits held through
 the backward) on its own copy of the model:
 
@@ -58,8 +59,14 @@ def build(name: str, args):
                                              intermediate_size=args.width * 8 // 3, num_attention_heads=8,
                                              num_key_value_heads=8, vocab_size=VOCAB,
                                              max_position_embeddings=args.sequence, bos_token_id=0, eos_token_id=0))
+    elif name == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        model = BertForMaskedLM(BertConfig(num_hidden_layers=args.layers, hidden_size=args.width, num_attention_heads=8,
+                                           intermediate_size=args.width * 4, vocab_size=VOCAB,
+                                           max_position_embeddings=args.sequence))
     else:
-        raise SystemExit(f"unknown model {name!r}: gpt2 or llama")
+        raise SystemExit(f"unknown model {name!r}: gpt2, llama or bert")
     ids = torch.randint(0, VOCAB, (args.batch, args.sequence), generator=torch.Generator().manual_seed(1))
     return model.train(), {"input_ids": ids, "labels": ids.clone()}
 

@@ -1,7 +1,8 @@
 """The selective-checkpoint policies people write by hand are among a stage's options (issue 41): PyTorch's "save
 the matmuls" (matrix products and attention kept, the rest recomputed) and torchtitan's "every second matmul"
 recomputed as well; measured against torch's own selective checkpointing of the same block, the option keeps no
-more bytes and recomputes no matrix product."""
+more bytes and recomputes no matrix product. A long stage's graph is read for its options on fake tensors (issue 40:
+planning time), with the real run's nodes."""
 
 import torch
 from torch import nn
@@ -58,3 +59,30 @@ def test_every_second_matrix_product_is_recomputed_by_torchtitan_s_policy():
     gelus = {node.position for node in nodes if node.name.startswith("aten.gelu")}
     assert any(c & set(products) == {products[1]} and gelus <= c for c in candidates), candidates
     assert any(not c & set(products) and gelus <= c for c in candidates), candidates  # save the matmuls
+
+
+def test_a_long_stage_s_graph_is_read_on_fake_tensors_with_the_real_nodes():
+    """A discovered stage whose forward takes FAKE_NODES_S or more is read for its options on fake copies of its
+    inputs: the nodes (operations, bytes, saved, FLOPs) are those of the real run, and no real value is made."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from planner.rates import Rates
+    from profiles.chain_profiler import FAKE_NODES_S, _Runner
+    from profiles.discover import discover
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                         max_position_embeddings=32)).train()
+    ids = torch.randint(0, 100, (2, 32))
+    staged = discover(model, {"input_ids": ids, "labels": ids}).staged
+    runner = _Runner(torch.device("cpu"), 0, 1, None, Rates(1e12))
+    activation, extra = staged.example_inputs[0], staged.example_inputs[1:]
+    for k, (_, stage) in enumerate(staged.stages):
+        leaf = activation.detach().requires_grad_(k > 0) if activation.is_floating_point() else activation
+        with LiveMemoryTracker() as tracker:
+            fake = runner._graph_nodes(stage, (leaf, *extra), FAKE_NODES_S)
+        assert tracker.peak == 0  # nothing real allocated
+        assert fake == forward_nodes(stage, (leaf, *extra))
+        with torch.no_grad():
+            activation = stage(activation, *extra)
