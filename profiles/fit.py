@@ -85,7 +85,8 @@ def fit(model: torch.nn.Module, example_inputs, budget, loss_fn=None, solver: st
         max_stages: at most that many stages (None: as many as discovered).
         warmup: the profiler's warm-up runs per stage.
         repeats: the profiler's timed runs per stage.
-        stage_options: candidates measured per distinct stage (profiles/options.py; 0: none).
+        stage_options: candidates measured per distinct stage, and the selective-checkpoint policies beside them
+            (profiles/options.py; 0: none).
         compile: the plan runs through ``torch.compile`` (planner/execute/chain.py).
         optimizer: the setup's optimizer, one of :data:`planner.setup.training.OPTIMIZERS` (default adam); an
             update inside the backward runs it (sgd, momentum, adam or adamw).

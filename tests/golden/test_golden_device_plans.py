@@ -36,7 +36,8 @@ def printed(case: str, capsys) -> str:
 
 def fitted_plan() -> dict:
     """``fit`` of the tests' Hugging Face GPT-2 (tests/fixtures/hf_gpt2.py) for an A100 40GB at ``batch="auto"``
-    within a global batch of 16 (the search stops there: each size is an estimate), one option per stage:
+    within a global batch of 16 (the search stops there: each size is an estimate), one candidate per stage (and
+    the selective-checkpoint policies beside it):
     its searched table and its plan, less the solver's seconds."""
     model, batch = load_fixture("hf_gpt2").build()
     fitted = fit(model, batch, "auto", device_spec="a100-40gb", batch="auto", global_batch=16, progress=False,
