@@ -118,3 +118,16 @@ def sized_times(chain):
         stages.append(dataclasses.replace(s, fwd_time=1e-9 * (s.saved_bytes + s.fwd_tmp_bytes),
                                           bwd_time=2e-9 * (s.saved_bytes + s.bwd_tmp_bytes), options=options))
     return dataclasses.replace(chain, stages=tuple(stages))
+
+
+def one_after_another(rank, world, where, report, *, jobs):
+    """A launched rank's part of each job in turn, in the one process group (one launch for several runs: a launch
+    is 5-15 s of process start and imports): each job's result, what was left of the last one collected first, so
+    that no release of it falls in the next one's measured window."""
+    import gc
+
+    results = []
+    for job in jobs:
+        gc.collect()
+        results.append(job(rank, world, where, report))
+    return results

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from checks import one_error_line, one_line
+from checks import one_after_another, one_error_line, one_line
 from oracles.pipeline_plans import store_all_split
 from planner import MemschedError
 from profiles.chain_profiler import profile_chain
@@ -194,21 +194,37 @@ def test_a_rank_that_dies_is_reported_in_one_line(chain):
 GPT = "gpt-tiny:layers=2,d=32,heads=2,seq=16,vocab=64,dropout=0"  # no dropout: the same numbers in any order
 
 
+CUTS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def gpt_cuts():
+    """Each split of gpt-tiny at CUTS trained on 2 ranks, one after another in one launch: ``{cut: each rank's
+    result}`` (run_pipeline's checks run here for each, its launch captured)."""
+    from planner.execute import pipeline
+    from planner.execute.pipeline import launch_ranks, run_pipeline
+
+    micro, jobs = 2, []
+    gpt_chain = profiled(GPT, micro)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "launch_ranks", lambda job, *args, **kwargs: jobs.append(job) or [])
+        for cut in CUTS:
+            plan = store_all_split(gpt_chain, [(0, cut), (cut, gpt_chain.length)], M, "1f1b")
+            run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter, return_grads=True,
+                         progress_timeout=120)
+    ranks = launch_ranks(functools.partial(one_after_another, jobs=jobs), 2, "cpu", 120)
+    return {cut: [results[i] for results in ranks] for i, cut in enumerate(CUTS)}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cut", [1, 2, 3])
-def test_gpt_tiny_integer_input_1f1b_equals_single_process(cut):
+@pytest.mark.parametrize("cut", CUTS)
+def test_gpt_tiny_integer_input_1f1b_equals_single_process(gpt_cuts, cut):
     """Every split of gpt-tiny (embedding | 2 blocks | head). A device holding only the embedding is
     over-predicted (0.84 here, the safe side): its profiled backward keeps the incoming gradient to its peak
     and makes both embeddings' gradients, while from the second micro-batch on each is added into ``.grad`` as
     made."""
-    from planner.execute.pipeline import run_pipeline
-
-    micro = 2
-    gpt_chain = profiled(GPT, micro)
-    plan = store_all_split(gpt_chain, [(0, cut), (cut, gpt_chain.length)], M, "1f1b")
-    results = run_pipeline(model_of(GPT, M * micro), plan, 2, meter=memory_meter,
-                           return_grads=True, progress_timeout=120)
-    check_training(results, GPT, M * micro)
+    results = gpt_cuts[cut]
+    check_training(results, GPT, M * 2)
     if cut > 1:
         check_peaks(results)
     else:

@@ -60,13 +60,13 @@ print(json.dumps(rows))
 MID, LOW = "75%", "50%"
 # A fresh process per group (each family's first step is that of its own stages, prepared at their first call; the
 # process's import of torch and transformers is paid once a group, not once per family); the bf16 decoders at the
-# default thread count and at one.
+# default thread count, and the most recomputing of them at one.
 GROUPS = {
     "encoder-decoders": [("bart", LOW, "auto"), ("bart", LOW, "loss"), ("whisper", LOW, "auto"), ("t5", "70%", "auto")],
     "experts and adapters": [("mixtral", "90%", "auto"), ("lora", LOW, "auto"), ("lora", "90%", "auto")],
     "built in bf16": [("llama-bf16", "90%", "auto"), ("llama-bf16", "60%", "auto"), ("qwen2-bf16", MID, "auto")],
 }
-GROUPS["built in bf16, one thread"] = GROUPS["built in bf16"]
+GROUPS["built in bf16, one thread"] = [("llama-bf16", "60%", "auto")]  # the recomputing plan: one thread's kernels
 THREADS = {"built in bf16, one thread": 1}  # the others: torch's default count
 
 
