@@ -79,13 +79,9 @@ class Step:
     def peak(self) -> int:
         import torch._functorch.config as functorch_config
 
-        default = functorch_config.activation_memory_budget
-        if self.fraction is not None:  # read when it compiles, which it does here, outside the window
-            functorch_config.activation_memory_budget = self.fraction
-        try:
+        # the fraction is read when it compiles, which it does here, outside the window
+        with functorch_config.patch({} if self.fraction is None else {"activation_memory_budget": self.fraction}):
             self()
-        finally:
-            functorch_config.activation_memory_budget = default
         for parameter in self.parameters:
             parameter.grad = None
         with memory_meter("cpu", self.compiled) as meter:

@@ -113,14 +113,9 @@ class Step:
         """``steps`` steps, compiling first (at :attr:`fraction`, read when it compiles)."""
         import torch._functorch.config as functorch_config
 
-        default = functorch_config.activation_memory_budget
-        if self.fraction is not None:
-            functorch_config.activation_memory_budget = self.fraction
-        try:
+        with functorch_config.patch({} if self.fraction is None else {"activation_memory_budget": self.fraction}):
             for _ in range(steps):
                 self()
-        finally:
-            functorch_config.activation_memory_budget = default
 
     def peak(self) -> int:
         """Bytes at the step's peak: what it allocates (the meter of eager or compiled code) and the batch."""

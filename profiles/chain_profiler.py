@@ -25,7 +25,7 @@ import time
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from planner.allocator import rounding
 from planner.chain import Chain, Loss, Stage, StageOption
@@ -47,7 +47,14 @@ from profiles.identical import stage_key
 from profiles.memory import memory_meter, storage_bytes, storages
 from profiles.options import candidate_recomputes, measure_options, pareto_front, structure
 from profiles.roofline import roofline
-from profiles.stage_runs import HandOver, fresh_input, module_buffers, module_parameters, stage_backward
+from profiles.stage_runs import (
+    HandOver,
+    fresh_input,
+    module_buffers,
+    module_parameters,
+    stage_backward,
+    tensors_of,
+)
 from profiles.transfer_profiler import measure_transfer
 
 DEFAULT_THROUGHPUT = 1e12  # FLOP/s assumed by estimates when none is given
@@ -109,7 +116,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
         for module in modules:  # gradients are made from None, as in a step (the caller's come back after)
             for parameter in module_parameters(module):
                 parameter.grad = None
-        resident = _tensors(inputs)
+        resident = tensors_of(inputs)
         profiled, owned, measured, same_as, kept_inputs = [], _parameter_owners(modules), {}, [], {}
         activation = first
         for k, (stage_name, module) in enumerate(pairs):
@@ -126,7 +133,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             else:
                 same_as[k] = k
                 stage, activation = runner.stage(k, stage_name, module, activation, extra, resident, owned[k],
-                                                 input_bytes=runner.bytes(_tensors(activation)))
+                                                 input_bytes=runner.bytes(tensors_of(activation)))
                 if options:
                     kept_inputs[k] = last_input
                 say(f"stage {k} ({stage_name}) of {len(pairs)}: measured in {seconds_since(started)}")
@@ -150,7 +157,7 @@ def profile_chain(stages, example_inputs, *, loss_fn=None, device=None, warmup=2
             def measured_options(k):  # stage k with its options, its input let go
                 stage_input = kept_inputs.pop(k)
                 return runner.with_options(k, *pairs[k], chain.stages[k], stage_input, extra, options, known,
-                                           runner.bytes(_tensors(stage_input)))
+                                           runner.bytes(tensors_of(stage_input)))
 
             chain = measure_options(chain, same_as, measured_options, check, say)
         elif check:
@@ -177,12 +184,8 @@ def _target(device_spec, throughput, rates, estimate) -> tuple:
     return device_spec.rates(), rounding(device_spec.allocator)
 
 
-def _tensors(tree) -> list:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
-
-
 def _fake_mode(pairs, inputs):
-    for tensor in _tensors(inputs) + [p for _, m in pairs if isinstance(m, torch.nn.Module) for p in m.parameters()]:
+    for tensor in tensors_of(inputs) + [p for _, m in pairs if isinstance(m, torch.nn.Module) for p in m.parameters()]:
         if isinstance(tensor, FakeTensor):
             return tensor.fake_mode
     raise MemschedError("estimate mode needs the model and its inputs built under one FakeTensorMode "
@@ -190,7 +193,7 @@ def _fake_mode(pairs, inputs):
 
 
 def _device_of(inputs) -> torch.device:
-    tensors = _tensors(inputs)
+    tensors = tensors_of(inputs)
     return tensors[0].device if tensors else torch.device("cpu")
 
 
@@ -227,7 +230,7 @@ class _Runner:
         call = _guarded(k, stage_name, module, extra, self.ran)
         # Parameters and buffers (a causal mask) exist before the step: saving one allocates nothing.
         parameter_keys = {t.untyped_storage()._cdata for t in module_parameters(module) + module_buffers(module)}
-        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        needs_grad = k > 0 or any(t.requires_grad for t in tensors_of(activation))
         with self._meter() as meter:
             stage_input = fresh_input(activation, needs_grad)
             start = meter.current
@@ -242,9 +245,9 @@ class _Runner:
                 output = call(stage_input)
             seconds = [time.perf_counter() - clock]
             forward_peak = meter.peak - start
-            outputs = _tensors(output)
+            outputs = tensors_of(output)
             out_bytes = self.bytes(outputs)
-            not_kept = set(storages(_tensors(stage_input) + resident)) | parameter_keys
+            not_kept = set(storages(tensors_of(stage_input) + resident)) | parameter_keys
             kept = {key: size for key, size in packed.items() if key not in not_kept}
             own_saved_bytes = sum(kept.values())
             output_storages = storages(outputs, size_of=self.size_of)
@@ -269,7 +272,7 @@ class _Runner:
                 for parameter in module_parameters(module):
                     parameter.grad = None
                 stage_input = fresh_input(activation, needs_grad)
-                outputs = _tensors(call(stage_input))
+                outputs = tensors_of(call(stage_input))
                 meter.reset_peak()
                 start = meter.current
                 stage_backward(outputs, stage_input, module)
@@ -298,7 +301,7 @@ class _Runner:
         output from one run without autograd; None when that output's bytes are not ``measured``'s."""
         with torch.no_grad():
             output = _guarded(k, stage_name, module, extra, self.ran)(fresh_input(activation, False))
-        if self.bytes(_tensors(output)) != measured.out_bytes:
+        if self.bytes(tensors_of(output)) != measured.out_bytes:
             return None
         stage = dataclasses.replace(measured, name=stage_name, param_bytes=self.bytes(list(owned)))
         return stage, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
@@ -306,7 +309,7 @@ class _Runner:
     def with_options(self, k, stage_name, module, stage, activation, extra, count, known, input_bytes) -> Stage:
         """``stage`` with its options (profiles/options.py), measured here or taken from an identical stage in
         ``known`` (fingerprint -> options); a stage whose graph cannot be had (torch.export fails) gets none."""
-        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        needs_grad = k > 0 or any(t.requires_grad for t in tensors_of(activation))
         stage_input = fresh_input(activation, needs_grad)
         try:
             nodes = self._graph_nodes(module, (stage_input, *extra), stage.fwd_time)
@@ -359,13 +362,13 @@ class _Runner:
             return _guarded_run(k, stage_name, lambda: run_with_option(module, recompute, stage_input, *extra),
                                 self.ran)
 
-        needs_grad = k > 0 or any(t.requires_grad for t in _tensors(activation))
+        needs_grad = k > 0 or any(t.requires_grad for t in tensors_of(activation))
         with self._meter() as meter:
             stage_input = fresh_input(activation, needs_grad)
             start = meter.current
             output = call(stage_input)
             forward_peak, kept = meter.peak - start, meter.current - start  # what autograd keeps, the output
-            outputs = _tensors(output)
+            outputs = tensors_of(output)
             out_bytes = self.bytes(outputs)
             gradient_bytes = self.bytes([t for t in outputs if t.requires_grad])
             meter.reset_peak()
@@ -426,7 +429,7 @@ class _Runner:
         stage_input = fresh_input(activation, needs_grad)
         holder = {}
         fwd = self._flops_or_time(lambda: holder.update(output=call(stage_input)))
-        outputs = _tensors(holder.pop("output"))
+        outputs = tensors_of(holder.pop("output"))
         bwd = self._flops_or_time(lambda: stage_backward(outputs, stage_input, module))
         for parameter in module_parameters(module):
             parameter.grad = None
@@ -458,8 +461,10 @@ class _Runner:
         or :data:`LONG_STEP_PAIRS` rounds once every option's differences so far lie within
         :data:`AGREEING_SHARE` of the plain step, or for a plain step of :data:`LONG_STEP_S` or more (a long
         warm-up round counted)."""
+        if not options:
+            return []
         differences = [[] for _ in options]
-        for run in range(0 if not options else self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
+        for run in range(self.warmup + (1 if self.fake else 2 * self.repeats + 1)):
             base, *times = [sum(self._timed_step(call, activation, needs_grad, module)) for call in (plain, *options)]
             if run >= self.warmup or base >= LONG_STEP_S:
                 for found, seconds in zip(differences, times):

@@ -22,10 +22,9 @@ from planner.chain import Stage, StageOption
 
 DEFAULT_OPTIONS = 4  # candidates measured per distinct stage by `memsched profile` (0: none), policies beside them
 # The operations selective-checkpoint policies keep (torch.utils.checkpoint's "save the matmuls", torchtitan's save
-# list): matrix products first (every second one of these recomputed by torchtitan's policy), then attention and
-# convolutions
-MATRIX_PRODUCTS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_dot_product",
-                   "aten.convolution.")
+# list): the matrix products (every second one recomputed by torchtitan's policy), attention and convolutions
+MATMULS = ("aten.linear.", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+MATRIX_PRODUCTS = MATMULS + ("aten._scaled_dot_product", "aten.convolution.")
 # A nominal machine balance, FLOPs per byte of memory traffic (fp32 on a recent GPU: 67 TFLOP/s over
 # 3.35 TB/s is 20): it weighs a matrix product's arithmetic against an element-wise operation's traffic.
 # A machine's own measured figure would again move with its noise. Least budget (options) of a model whose
@@ -82,7 +81,7 @@ def candidate_recomputes(nodes, count: int) -> list:
             total += freed
             prefixes.append((total, tuple(sorted(union))))
     chosen = []
-    for step in range(1, count + 1 if prefixes else 1):
+    for step in range(1, count + 1) if prefixes else ():
         target = total * step / count
         best = min(prefixes, key=lambda prefix: (abs(prefix[0] - target), len(prefix[1])))[1]
         if best not in chosen:
@@ -101,7 +100,7 @@ def policy_recomputes(nodes, holding) -> list:
     held anyway (``holding``: see :func:`candidate_recomputes`), never through a kept operation."""
     by_position = {node.position: node for node in nodes}
     products = [node.position for node in nodes if node.name.startswith(MATRIX_PRODUCTS)]
-    matmuls = [p for p in products if by_position[p].name.startswith(MATRIX_PRODUCTS[:5])]
+    matmuls = [p for p in products if by_position[p].name.startswith(MATMULS)]
     policies = []
     for kept in (set(products), set(products) - set(matmuls[1::2])):
         kept |= {node.position for node in nodes  # the items of a kept tuple (attention's output and statistics)

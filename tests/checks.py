@@ -6,6 +6,7 @@ by the library (:func:`raises_one_line` calls and catches it), :func:`one_error_
 ``memsched: error: ...``."""
 
 import dataclasses
+import gc
 import os
 import signal
 
@@ -124,8 +125,6 @@ def one_after_another(rank, world, where, report, *, jobs):
     """A launched rank's part of each job in turn, in the one process group (one launch for several runs: a launch
     is 5-15 s of process start and imports): each job's result, what was left of the last one collected first, so
     that no release of it falls in the next one's measured window."""
-    import gc
-
     results = []
     for job in jobs:
         gc.collect()
